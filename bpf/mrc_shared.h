@@ -1,0 +1,363 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR BSD-2-Clause) */
+/*
+ * mrc_shared.h - the one declaration of everything that crosses the C/Python line.
+ *
+ * BPF programs include it; Python reads it with cffi (mrc_xdp/shared.py), so no
+ * layout, enum or map name is ever written twice.  Rules that keep it readable by
+ * cffi: fixed-width __uN types only, naturally aligned structs (no packed), integer
+ * #defines, identifier #defines only for map names (MRC_MAP_* / MRC_LMAP_*), no
+ * function-like macros, no other preprocessor logic besides the include guard.
+ */
+#ifndef MRC_SHARED_H
+#define MRC_SHARED_H
+
+/* ------------------------------------------------------------------ sizes */
+#define MRC_MAX_CONNS        64     /* connections per host instance */
+#define MRC_MAX_PLANES       8
+#define MRC_EV_SLOTS         512    /* per connection: active + backup */
+#define MRC_EV_ACTIVE_MAX    256    /* slots [0,256) active, [256,512) backup */
+#define MRC_PSN_RING         1024   /* PSN -> EV ring per connection */
+#define MRC_MAX_TMPL         256    /* SRv6 row templates */
+#define MRC_USID_MAX         6      /* uSIDs in one F3216 address */
+#define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
+#define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
+#define MRC_LOSS_BATCH       4      /* losses attributed per SACK at most */
+#define MRC_XSK_MAX          64     /* AF_XDP sockets (one per rx queue) */
+#define MRC_EVENTS_BYTES     262144 /* EV state-change ring buffer */
+#define MRC_LINK_MAX         1024   /* lab link models (keyed by ifindex) */
+
+/* ------------------------------------------------------------------ wire */
+#define MRC_UDP_PORT_DEFAULT 4791
+#define MRC_BTH_LEN          12
+#define MRC_METH_LEN         4
+#define MRC_TSETH_LEN        4
+#define MRC_RETH_LEN         16
+#define MRC_IMMDT_LEN        4
+#define MRC_AETH_LEN         4
+#define MRC_SETH_LEN         28
+#define MRC_CCSTATE_LEN      8
+#define MRC_NETH_LEN         20
+#define MRC_PETH_LEN         16
+#define MRC_ERTH_LEN         16
+#define MRC_EETH_LEN         36
+#define MRC_ICRC_LEN         4
+#define MRC_IPV6_LEN         40
+#define MRC_ETH_LEN          14
+/* Fields marked (?) in mrc-wire.md: one constant each, corrected here only. */
+#define MRC_BTH_B8_ACKREQ    0x80   /* BTH byte 8 bit 7 */
+#define MRC_BTH_B8_RTX       0x20   /* (?) BTH byte 8 bit 5: retransmission */
+#define MRC_BTH_B8_TS        0x10   /* (?) BTH byte 8 bit 4: TSETH present */
+#define MRC_SETH_M_SHIFT     5      /* SETH byte 1 bits 6-5 */
+#define MRC_SETH_M_MASK      3
+#define MRC_QPN_PROBE        2      /* connectionless EV probes */
+/* The ICRC trailer is the CRC-32 value stored little-endian, as Linux rxe does. */
+#define MRC_ICRC_LITTLE_ENDIAN 1
+
+enum mrc_opcode {
+	MRC_OP_WRITE_FIRST      = 0xC6,
+	MRC_OP_WRITE_MIDDLE     = 0xC7,
+	MRC_OP_WRITE_LAST       = 0xC8,
+	MRC_OP_WRITE_LAST_IMM   = 0xC9,
+	MRC_OP_WRITE_ONLY       = 0xCA,
+	MRC_OP_WRITE_ONLY_IMM   = 0xCB,
+	MRC_OP_ACK              = 0xD1,
+	MRC_OP_ENDPOINT_REQ     = 0xD8,
+	MRC_OP_ENDPOINT_RESP    = 0xD9,
+	MRC_OP_SACK             = 0xDC,
+	MRC_OP_NACK             = 0xDD,
+	MRC_OP_PROBE_REQ        = 0xDE,
+};
+
+enum mrc_sack_m {
+	MRC_M_NONE        = 0,
+	MRC_M_SKIP_ONCE   = 1,
+	MRC_M_ALWAYS_SKIP = 2,
+};
+
+enum mrc_nack_reason {
+	MRC_NACK_TRIMMED         = 0x01,
+	MRC_NACK_TRIMMED_LASTHOP = 0x02,
+	MRC_NACK_NO_BITMAP       = 0x06,
+	MRC_NACK_NO_PKT_BUFFER   = 0x07,
+	MRC_NACK_NO_RESOURCE     = 0x0A,
+	MRC_NACK_PSN_OOR_WINDOW  = 0x0B,
+	MRC_NACK_UNEXP_EVENT     = 0x19,
+};
+
+/* ------------------------------------------------------------------ EV state */
+enum mrc_ev_state {
+	MRC_EV_UNUSED      = 0,   /* slot holds no EV */
+	MRC_EV_GOOD        = 1,
+	MRC_EV_SKIP        = 2,   /* skipped for one rotation, then GOOD */
+	MRC_EV_ASSUMED_BAD = 3,   /* never selected; probed, resurrected by user space */
+	MRC_EV_DENIED      = 4,   /* operator; never auto-recovers */
+};
+
+/* Why an EV changed state (events, per-EV counters). */
+enum mrc_ev_reason {
+	MRC_R_NONE        = 0,
+	MRC_R_SACK_SKIP   = 1,   /* SACK M=SKIP_ONCE: forward path ECN-marked */
+	MRC_R_NACK_TRIM   = 2,   /* NACK TRIMMED / TRIMMED_LASTHOP */
+	MRC_R_SACK_ALWAYS = 3,   /* SACK M=ALWAYS_SKIP */
+	MRC_R_LOSS        = 4,   /* SACK bitmap hole older than loss_reorder */
+	MRC_R_SKIP_DONE   = 5,   /* SKIP consumed by one rotation */
+	MRC_R_REPLACED    = 6,   /* backup EV promoted into an active slot */
+	MRC_R_OPERATOR    = 7,   /* deny / allow from user space */
+	MRC_R_PROBE_OK    = 8,   /* resurrected after probes */
+	MRC_R_DENIED_SWAP = 9,   /* DENIED/ASSUMED_BAD active slot swapped out lazily */
+};
+
+enum mrc_mode {
+	MRC_MODE_ECMP = 0,
+	MRC_MODE_SRV6 = 1,
+};
+
+/* mrc_config.flags */
+#define MRC_CF_DSCP_REWRITE  1   /* spray writes DSCP by packet class */
+#define MRC_CF_UDP_CSUM      2   /* keep a non-zero UDP checksum valid (always on) */
+
+/* ------------------------------------------------------------------ maps */
+/* Map names: at most 15 characters, spelled once.  Pinned under
+ * /sys/fs/bpf/mrc/<instance>/<name>. */
+#define MRC_MAP_CFG      mrc_cfg       /* ARRAY[1]            struct mrc_config */
+#define MRC_MAP_PLANES   mrc_planes    /* ARRAY[MAX_PLANES]   struct mrc_plane */
+#define MRC_MAP_IFPLANE  mrc_ifplane   /* HASH ifindex ->     __u32 plane */
+#define MRC_MAP_PORTS    mrc_ports     /* DEVMAP: plane p -> NIC; MRC_PORT_ENGINE -> fabric side of mrc0 */
+#define MRC_MAP_CONNIDX  mrc_connidx   /* HASH struct mrc_conn_key -> __u32 conn id */
+#define MRC_MAP_CONNS    mrc_conns     /* ARRAY[MAX_CONNS]    struct mrc_conn */
+#define MRC_MAP_EVS      mrc_evs       /* ARRAY[MAX_CONNS*EV_SLOTS] struct mrc_ev */
+#define MRC_MAP_EVIDX    mrc_evidx     /* HASH struct mrc_evidx_key -> __u32 slot */
+#define MRC_MAP_EVCTR    mrc_evctr     /* PERCPU_ARRAY[MAX_CONNS*EV_SLOTS] struct mrc_ev_ctr, by cidx */
+#define MRC_MAP_ROT      mrc_rot       /* PERCPU_ARRAY[MAX_CONNS] struct mrc_rot */
+#define MRC_MAP_PSN      mrc_psn       /* ARRAY[MAX_CONNS*PSN_RING] struct mrc_psn_ent */
+#define MRC_MAP_SRV6     mrc_srv6      /* ARRAY[MAX_TMPL]     struct mrc_srv6_tmpl */
+#define MRC_MAP_ICRC     mrc_icrc      /* ARRAY[ICRC_TBL_LEN] struct mrc_icrc_row */
+#define MRC_MAP_STATS    mrc_stats     /* PERCPU_ARRAY[MRC_C_MAX] __u64 */
+#define MRC_MAP_RXEV     mrc_rxev      /* LRU_PERCPU_HASH struct mrc_evidx_key -> struct mrc_rxev_ctr */
+#define MRC_MAP_EVENTS   mrc_events    /* RINGBUF struct mrc_event */
+#define MRC_MAP_XSKS     mrc_xsks      /* XSKMAP rx queue -> AF_XDP socket */
+
+#define MRC_PORT_ENGINE  MRC_MAX_PLANES  /* devmap key of the fabric side of mrc0 */
+#define MRC_PORTS_LEN    9               /* MRC_MAX_PLANES + 1 */
+
+/* Program names (function names in bpf/mrc_datapath.c). */
+#define MRC_PROG_SPRAY   mrc_spray
+#define MRC_PROG_INGRESS mrc_ingress
+#define MRC_PROG_ENGINE  mrc_to_engine
+
+struct mrc_config {
+	__u32 mode;             /* enum mrc_mode */
+	__u32 nplanes;
+	__u32 udp_port;         /* 4791 */
+	__u32 flags;            /* MRC_CF_* */
+	__u32 loss_reorder;     /* a SACK hole this many PSNs below the newest SACKed PSN is a loss */
+	__u32 loss_thresh;      /* losses on one EV before ASSUMED_BAD */
+	__u8  local_addr[16];   /* this host's MRC address (inner destination of our traffic) */
+	__u8  app_mac[6];       /* mrc0 (engine side): destination MAC of frames to the engine */
+	__u8  fab_mac[6];       /* mrc0p: source MAC of frames to the engine */
+	__u8  dscp_data;        /* trimmable data */
+	__u8  dscp_ctrl;        /* SACK/NACK/ACK/probes, never trimmed */
+	__u8  dscp_rtx;         /* retransmissions */
+	__u8  hop_limit;        /* outer IPv6 hop limit (SRv6) */
+};
+
+struct mrc_plane {
+	__u32 ifindex;          /* plane NIC */
+	__u8  smac[6];          /* plane NIC MAC */
+	__u8  dmac[6];          /* next hop (T0 port) MAC */
+	__u8  src_addr[16];     /* SRv6: outer source, our locator on this plane */
+	__u8  local_sid[16];    /* SRv6: outer DA of traffic to us; first 48 bits compared */
+};
+
+#define MRC_DIR_TX 0   /* key: peer address + the peer's (destination) QPN */
+#define MRC_DIR_RX 1   /* key: peer address + our QPN (feedback and data to us) */
+
+struct mrc_conn_key {
+	__u8  peer[16];
+	__u32 qpn;
+	__u32 dir;
+};
+
+struct mrc_conn {
+	__u8  peer[16];
+	__u32 local_qpn;
+	__u32 remote_qpn;
+	__u16 ev_per_plane;     /* active EVs per plane: slots [p*n, (p+1)*n) */
+	__u16 backup_per_plane; /* backups per plane: slots 256 + [p*n, (p+1)*n) */
+	__u16 tmpl;             /* SRv6 row template index */
+	__u16 flags;
+	__u64 lock;             /* cmpxchg guard for slot swaps */
+};
+
+struct mrc_ev {
+	__u32 ev;               /* EV[31:16] -> UDP sport, EV[15:0] -> flow label */
+	__u8  state;            /* enum mrc_ev_state */
+	__u8  plane;
+	__u8  t1;               /* T1 index for SRv6 paths */
+	__u8  reason;           /* enum mrc_ev_reason of the last change */
+	__u32 cidx;             /* counter index: slot where this EV was configured */
+	__u32 losses;           /* attributed losses since last GOOD */
+	__u64 changed_ns;       /* bpf_ktime_get_ns() of the last change */
+};
+
+struct mrc_evidx_key {
+	__u32 conn;
+	__u32 ev;
+};
+
+struct mrc_ev_ctr {
+	__u64 tx_pkts;
+	__u64 tx_bytes;
+	__u64 sack;             /* SACKs echoing this EV */
+	__u64 nack;
+	__u64 ecn;              /* SACK M=SKIP_ONCE (forward path marked) */
+	__u64 trim;             /* NACK TRIMMED */
+	__u64 loss;             /* losses attributed from SACK bitmaps */
+	__u64 skipped;          /* rotations in which the EV was passed over */
+};
+
+struct mrc_rxev_ctr {
+	__u64 pkts;
+	__u64 bytes;
+	__u64 ce;
+};
+
+struct mrc_rot {
+	__u64 seq;                      /* plane round robin */
+	__u64 pseq[MRC_MAX_PLANES];     /* per-plane rotation position */
+};
+
+struct mrc_psn_ent {
+	__u32 psn;
+	__u32 ev;
+	__u32 flags;            /* MRC_PSNF_* */
+	__u32 pad;
+};
+#define MRC_PSNF_VALID 1
+#define MRC_PSNF_LOST  2
+
+struct mrc_srv6_tmpl {
+	__u8  block[4];                 /* 32-bit uSID block */
+	__u16 usid[MRC_USID_MAX];       /* host order, plane bits zero */
+	__u8  n_usid;
+	__u8  t1_pos;                   /* index of the T1 uSID; 255 = none */
+	__u8  plane_shift;              /* plane number << plane_shift is OR-ed into every uSID */
+	__u8  t1_shift;                 /* t1 index << t1_shift is OR-ed into usid[t1_pos] */
+};
+
+/* CRC-32 delta of flipping sport bit i (bit 15 = MSB of the first wire byte),
+ * followed by n zero bytes (n = udp_len - 6): row n of mrc_icrc. */
+struct mrc_icrc_row {
+	__u32 bit[16];
+};
+
+struct mrc_event {
+	__u64 ts_ns;
+	__u32 conn;
+	__u32 ev;
+	__u16 slot;
+	__u8  old_state;
+	__u8  new_state;
+	__u8  reason;
+	__u8  plane;
+	__u16 pad;
+	__u32 other_ev;         /* for MRC_R_REPLACED: the EV that was retired */
+	__u32 pad2;
+};
+
+/* Global counters, per CPU, summed and printed by name by user space. */
+enum mrc_ctr {
+	MRC_C_SPRAY_RX = 0,         /* frames seen by spray */
+	MRC_C_SPRAY_TX,             /* MRC frames sprayed and redirected */
+	MRC_C_SPRAY_BYTES,
+	MRC_C_SPRAY_NON_MRC,        /* passed unchanged */
+	MRC_C_SPRAY_NO_CONN,        /* MRC for an unknown connection: passed unchanged */
+	MRC_C_SPRAY_NO_EV,          /* no usable EV: dropped */
+	MRC_C_SPRAY_NO_PORT,        /* plane has no NIC: dropped */
+	MRC_C_SPRAY_SRV6_ENCAP,
+	MRC_C_SPRAY_ICRC_FIX,
+	MRC_C_SPRAY_CSUM_FIX,
+	MRC_C_SPRAY_SKIP,           /* SKIP EV passed over (and returned to GOOD) */
+	MRC_C_SPRAY_LAZY_SWAP,      /* unusable active EV replaced at selection */
+	MRC_C_SPRAY_DATA,
+	MRC_C_SPRAY_CTRL,
+	MRC_C_ING_RX,               /* frames seen by ingress */
+	MRC_C_ING_NON_MRC,
+	MRC_C_ING_DECAP,
+	MRC_C_ING_CE_COPY,          /* outer CE copied to inner on decap */
+	MRC_C_ING_NOT_OURS,         /* MRC not addressed to this host: passed */
+	MRC_C_ING_DATA,
+	MRC_C_ING_DATA_CE,
+	MRC_C_ING_SACK,
+	MRC_C_ING_NACK,
+	MRC_C_ING_ACK,
+	MRC_C_ING_PROBE,
+	MRC_C_ING_OTHER,            /* endpoint request/response */
+	MRC_C_ING_TO_ENGINE,
+	MRC_C_ING_FB_NO_CONN,       /* feedback not from a known connection: no EV change */
+	MRC_C_ING_FB_NO_EV,         /* feedback echoing an EV not in the set */
+	MRC_C_ING_FB_SKIP,
+	MRC_C_ING_FB_BAD,
+	MRC_C_ING_FB_REPLACED,
+	MRC_C_ING_FB_NO_BACKUP,
+	MRC_C_ING_LOSS,
+	MRC_C_ENG_RX,               /* mrc0: frames arriving for the engine */
+	MRC_C_ENG_XSK,              /* redirected to an AF_XDP socket */
+	MRC_C_ENG_PASS,             /* to the kernel stack (UDP fallback) */
+	MRC_C_BAD_TRUNC_IPV6,       /* malformed: counted, dropped */
+	MRC_C_BAD_TRUNC_UDP,
+	MRC_C_BAD_UDP_LEN,
+	MRC_C_BAD_TRUNC_BTH,
+	MRC_C_BAD_OPCODE,
+	MRC_C_BAD_TRUNC_EXT,
+	MRC_C_BAD_TOO_LONG,         /* beyond the ICRC update table */
+	MRC_C_BAD_SRV6,             /* malformed SRv6 for us */
+	MRC_C_NON_MRC_VLAN,         /* subsets of NON_MRC, for the curious */
+	MRC_C_NON_MRC_IPV4,
+	MRC_C_NON_MRC_EXTHDR,
+	MRC_C_MAX,
+};
+
+/* ------------------------------------------------------------------ lab link model */
+#define MRC_LMAP_CFG     mrc_lcfg      /* HASH ifindex -> struct mrc_link_cfg */
+#define MRC_LMAP_STATE   mrc_lstate    /* HASH ifindex -> struct mrc_link_state */
+#define MRC_LMAP_STATS   mrc_lstats    /* PERCPU_HASH ifindex -> struct mrc_link_ctr */
+#define MRC_PROG_LINK    mrc_link
+
+#define MRC_LF_ECN       1             /* mark CE above ecn_bytes (off on the last hop) */
+#define MRC_LF_TRIM      2             /* trim MRC data above trim_bytes */
+#define MRC_LF_BLACKHOLE 4
+
+struct mrc_link_cfg {
+	__u64 rate_bps;         /* phantom queue drain rate; 0 = unlimited */
+	__u32 ecn_bytes;        /* mark CE above this backlog */
+	__u32 trim_bytes;       /* trim above this backlog */
+	__u32 drop_bytes;       /* drop above this backlog */
+	__u32 loss_ppm;         /* random loss, parts per million */
+	__u32 flags;            /* MRC_LF_* */
+	__u32 flap_period_ms;   /* 0 = no flap; else down for the second half of each period */
+	__u8  dscp_trimmed;
+	__u8  dscp_ctrl;        /* never trimmed */
+	__u16 udp_port;
+	__u32 pad;
+};
+
+struct mrc_link_state {
+	__u64 backlog;          /* phantom queue bytes at last_ns */
+	__u64 last_ns;
+	__u64 lock;
+};
+
+struct mrc_link_ctr {
+	__u64 pkts;
+	__u64 bytes;
+	__u64 marked;
+	__u64 trimmed;
+	__u64 drop_queue;
+	__u64 drop_loss;
+	__u64 drop_blackhole;
+	__u64 drop_flap;
+	__u64 mrc_pkts;
+};
+
+#endif /* MRC_SHARED_H */

@@ -1,0 +1,265 @@
+"""libbpf through cffi: test_run, pins, and map access by fd.
+
+bcc 0.26 has no BPF_PROG_TEST_RUN wrapper and no way to open a pinned map from another
+process, so both go through libbpf.so.1 here.  Everything that reads live state after the
+loader has exited (CLI ``stats``, exporters, tests) uses ``PinnedMap``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import cffi
+
+ffi = cffi.FFI()
+ffi.cdef("""
+struct bpf_test_run_opts {
+    size_t sz;
+    const void *data_in;
+    void *data_out;
+    uint32_t data_size_in;
+    uint32_t data_size_out;
+    const void *ctx_in;
+    void *ctx_out;
+    uint32_t ctx_size_in;
+    uint32_t ctx_size_out;
+    uint32_t retval;
+    int repeat;
+    uint32_t duration;
+    uint32_t flags;
+    uint32_t cpu;
+    uint32_t batch_size;
+};
+int bpf_prog_test_run_opts(int prog_fd, struct bpf_test_run_opts *opts);
+int bpf_obj_pin(int fd, const char *pathname);
+int bpf_obj_get(const char *pathname);
+int bpf_map_lookup_elem(int fd, const void *key, void *value);
+int bpf_map_update_elem(int fd, const void *key, const void *value, uint64_t flags);
+int bpf_map_delete_elem(int fd, const void *key);
+int bpf_map_get_next_key(int fd, const void *key, void *next_key);
+int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
+int libbpf_num_possible_cpus(void);
+struct xdp_md_ctx { uint32_t data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex; };
+struct mrc_map_info {
+    uint32_t type; uint32_t id; uint32_t key_size; uint32_t value_size;
+    uint32_t max_entries; uint32_t map_flags; char name[16];
+};
+struct mrc_prog_info {
+    uint32_t type; uint32_t id; uint8_t tag[8]; uint32_t jited_prog_len; uint32_t xlated_prog_len;
+    uint64_t jited_prog_insns; uint64_t xlated_prog_insns; uint64_t load_time;
+    uint32_t created_by_uid; uint32_t nr_map_ids; uint64_t map_ids; char name[16];
+};
+struct ring_buffer;
+typedef int (*ring_buffer_sample_fn)(void *ctx, void *data, size_t size);
+struct ring_buffer *ring_buffer__new(int map_fd, ring_buffer_sample_fn sample_cb, void *ctx, const void *opts);
+int ring_buffer__poll(struct ring_buffer *rb, int timeout_ms);
+void ring_buffer__free(struct ring_buffer *rb);
+""")
+
+try:
+    lib = ffi.dlopen("libbpf.so.1")
+except OSError as e:  # pragma: no cover - set-up installs libbpf1
+    raise ImportError("libbpf.so.1 not found: install the libbpf1 package (make setup does)") from e
+
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
+XDP_NAMES = {0: "ABORTED", 1: "DROP", 2: "PASS", 3: "TX", 4: "REDIRECT"}
+
+# enum bpf_map_type values used here
+MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH = 5, 6, 10
+PERCPU_TYPES = {MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH}
+BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
+
+NCPUS = lib.libbpf_num_possible_cpus()
+
+
+class BpfError(OSError):
+    pass
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        e = -rc if rc != -1 else ffi.errno
+        raise BpfError(e, "%s: %s" % (what, os.strerror(e)))
+    return rc
+
+
+def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
+                  rx_queue: int = 0, out_size: int = 0):
+    """Run an XDP program on one frame. Returns (retval, output bytes, duration ns/run).
+
+    Use repeat=1 for correctness (the kernel reuses the buffer across repeats) and a
+    large repeat only for timing.  ifindex sets xdp_md.ingress_ifindex (it must name a
+    device in the caller's network namespace).
+    """
+    out = ffi.new("unsigned char[]", out_size or (len(data) + 512))
+    opts = ffi.new("struct bpf_test_run_opts *")
+    opts.sz = ffi.sizeof("struct bpf_test_run_opts")
+    buf_in = ffi.from_buffer(data)
+    opts.data_in = buf_in
+    opts.data_size_in = len(data)
+    opts.data_out = out
+    opts.data_size_out = len(out)
+    opts.repeat = repeat
+    ctx = None
+    if ifindex or rx_queue:
+        ctx = ffi.new("struct xdp_md_ctx *")
+        ctx.data_end = len(data)
+        ctx.ingress_ifindex = ifindex
+        ctx.rx_queue_index = rx_queue
+        opts.ctx_in = ctx
+        opts.ctx_size_in = ffi.sizeof("struct xdp_md_ctx")
+    _check(lib.bpf_prog_test_run_opts(prog_fd, opts), "BPF_PROG_TEST_RUN")
+    return opts.retval, bytes(ffi.buffer(out, opts.data_size_out)), opts.duration
+
+
+def obj_pin(fd: int, path: str) -> None:
+    _check(lib.bpf_obj_pin(fd, path.encode()), "pin %s" % path)
+
+
+def obj_get(path: str) -> int:
+    return _check(lib.bpf_obj_get(path.encode()), "open pin %s" % path)
+
+
+def map_info(fd: int):
+    info = ffi.new("struct mrc_map_info *")
+    n = ffi.new("uint32_t *", ffi.sizeof("struct mrc_map_info"))
+    _check(lib.bpf_obj_get_info_by_fd(fd, info, n), "map info")
+    return info
+
+
+def prog_info(fd: int):
+    info = ffi.new("struct mrc_prog_info *")
+    n = ffi.new("uint32_t *", ffi.sizeof("struct mrc_prog_info"))
+    _check(lib.bpf_obj_get_info_by_fd(fd, info, n), "prog info")
+    return info
+
+
+class Map:
+    """A BPF map by fd: raw-bytes access, per-CPU values split per CPU."""
+
+    def __init__(self, fd: int, name: str = "", owns_fd: bool = True):
+        self.fd = fd
+        self.owns_fd = owns_fd
+        info = map_info(fd)
+        self.type = info.type
+        self.key_size = info.key_size
+        self.value_size = info.value_size
+        self.max_entries = info.max_entries
+        self.name = name or ffi.string(info.name).decode()
+        self.percpu = self.type in PERCPU_TYPES
+        self._stride = (self.value_size + 7) & ~7
+        self._vbuf_len = self._stride * NCPUS if self.percpu else self.value_size
+
+    @classmethod
+    def open_pinned(cls, path: str) -> "Map":
+        return cls(obj_get(path), os.path.basename(path))
+
+    def close(self):
+        if self.owns_fd and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    def _key(self, key) -> bytes:
+        if isinstance(key, int):
+            key = key.to_bytes(self.key_size, "little")
+        if len(key) != self.key_size:
+            raise ValueError("%s: key is %d bytes, map wants %d" % (self.name, len(key), self.key_size))
+        return key
+
+    def lookup(self, key):
+        """bytes (or list of per-CPU bytes), or None when absent."""
+        v = ffi.new("unsigned char[]", self._vbuf_len)
+        rc = lib.bpf_map_lookup_elem(self.fd, self._key(key), v)
+        if rc < 0:
+            e = -rc if rc != -1 else ffi.errno
+            if e == errno.ENOENT:
+                return None
+            _check(rc, "lookup %s" % self.name)
+        raw = bytes(ffi.buffer(v, self._vbuf_len))
+        if self.percpu:
+            return [raw[i * self._stride:i * self._stride + self.value_size] for i in range(NCPUS)]
+        return raw
+
+    def update(self, key, value, flags: int = BPF_ANY) -> None:
+        if self.percpu:
+            if isinstance(value, (bytes, bytearray)):
+                value = [value] * NCPUS
+            buf = b"".join(bytes(v).ljust(self._stride, b"\0") for v in value)
+        else:
+            buf = bytes(value)
+            if len(buf) != self.value_size:
+                raise ValueError("%s: value is %d bytes, map wants %d" % (self.name, len(buf), self.value_size))
+        _check(lib.bpf_map_update_elem(self.fd, self._key(key), buf, flags), "update %s" % self.name)
+
+    def delete(self, key) -> bool:
+        rc = lib.bpf_map_delete_elem(self.fd, self._key(key))
+        if rc < 0:
+            e = -rc if rc != -1 else ffi.errno
+            if e == errno.ENOENT:
+                return False
+            _check(rc, "delete %s" % self.name)
+        return True
+
+    def keys(self):
+        cur = ffi.NULL
+        nxt = ffi.new("unsigned char[]", self.key_size)
+        while True:
+            rc = lib.bpf_map_get_next_key(self.fd, cur, nxt)
+            if rc < 0:
+                return
+            k = bytes(ffi.buffer(nxt, self.key_size))
+            yield k
+            cur = ffi.new("unsigned char[]", k)
+
+    def items(self):
+        for k in list(self.keys()):
+            v = self.lookup(k)
+            if v is not None:
+                yield k, v
+
+    def clear(self):
+        for k in list(self.keys()):
+            self.delete(k)
+
+
+def sum_u64_percpu(values, nfields: int = 1):
+    """Sum per-CPU values made of nfields little-endian u64s -> list of nfields ints."""
+    tot = [0] * nfields
+    for v in values:
+        for i in range(nfields):
+            tot[i] += int.from_bytes(v[i * 8:(i + 1) * 8], "little")
+    return tot
+
+
+class RingReader:
+    """Poll a BPF ring buffer (by map fd) through libbpf; callback gets raw bytes."""
+
+    def __init__(self, map_fd: int, callback):
+        self._cb_user = callback
+
+        @ffi.callback("int(void *, void *, size_t)")
+        def _cb(ctx, data, size):
+            try:
+                self._cb_user(bytes(ffi.buffer(data, size)))
+            except Exception:  # never let an exception cross the C boundary
+                return -1
+            return 0
+
+        self._cb = _cb
+        self.rb = lib.ring_buffer__new(map_fd, _cb, ffi.NULL, ffi.NULL)
+        if self.rb == ffi.NULL:
+            raise BpfError(ffi.errno, "ring_buffer__new: %s" % os.strerror(ffi.errno))
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        return lib.ring_buffer__poll(self.rb, timeout_ms)
+
+    def close(self):
+        if self.rb != ffi.NULL:
+            lib.ring_buffer__free(self.rb)
+            self.rb = ffi.NULL
