@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Set up mrc-xdp on a Debian 12 host, as root: Debian packages (bcc, libbpf, scapy,
+# pyroute2, ...), a kernel headers tree for bcc, and .venv with mrc-xdp installed
+# in editable mode.  Idempotent: when everything is present it only checks, which
+# takes a second or two.  `make setup` runs it; `make demo` and `make test` too.
+set -euo pipefail
+t0=$(date +%s%N)
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+PY=/usr/bin/python3          # Debian's python: the only one that can import bcc
+VENV=$ROOT/.venv
+LOG_DIR=$VENV/setup-logs
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (e.g. sudo make setup): it installs Debian packages and a kernel headers tree"
+command -v dpkg-query >/dev/null && command -v apt-get >/dev/null \
+    || die "dpkg/apt-get not found: mrc-xdp's setup supports Debian 12"
+
+# ---------------------------------------------------------------- Debian packages
+# bcc's Python module comes only from Debian (python3-bpfcc).  The PyPI package named
+# "bcc" is unrelated and must never be installed.
+APT_PKGS=(
+    python3-bpfcc bpfcc-tools libbpf1 libbpf-dev     # BPF: bcc loads, libbpf runs/pins
+    python3-venv python3-dev python3-cffi gcc make   # venv, cffi (shared header, engine)
+    python3-scapy python3-pyroute2 python3-pytest    # packets, netlink, tests
+    iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
+)
+# Kernel headers for bcc: a host with a headers tree for its running kernel is left
+# alone; otherwise Debian's linux-headers-<arch> is merged by mrc_xdp.kheaders.
+KBUILD=/lib/modules/$(uname -r)/build
+if [ ! -e "$KBUILD/include/linux/kconfig.h" ]; then
+    APT_PKGS+=("linux-headers-$(dpkg --print-architecture)")
+fi
+
+missing=()
+installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PKGS[@]}" 2>/dev/null || true)
+for p in "${APT_PKGS[@]}"; do
+    awk -v p="$p" '$1 == p && $2 == "ii" { found = 1 } END { exit !found }' <<<"$installed" \
+        || missing+=("$p")
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+    apt_log=/var/log/mrc-xdp-setup-apt.log
+    say "installing apt packages: ${missing[*]}"
+    say "updating package lists (apt-get update)"
+    apt-get -o DPkg::Lock::Timeout=300 update -q >"$apt_log" 2>&1 \
+        || { tail -n 15 "$apt_log" >&2; die "apt-get update failed (log: $apt_log); check the Debian mirror in /etc/apt/sources.list*"; }
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+        --no-install-recommends "${missing[@]}" >>"$apt_log" 2>&1 \
+        || { tail -n 15 "$apt_log" >&2; die "apt-get install failed (log: $apt_log)"; }
+    say "apt packages installed"
+else
+    say "apt packages: all ${#APT_PKGS[@]} present"
+fi
+
+# ---------------------------------------------------------------- kernel headers
+# Prints the tree bcc should use; builds the merged tree under /var/cache/mrc-xdp
+# when the running kernel has none.  The library calls mrc_xdp.kheaders.ensure()
+# itself at run time, so nothing needs to be exported for later commands.
+BCC_KERNEL_SOURCE=$("$PY" -m mrc_xdp.kheaders) \
+    || die "no kernel headers tree for bcc (see above); install linux-headers-$(dpkg --print-architecture) or set BCC_KERNEL_SOURCE"
+export BCC_KERNEL_SOURCE
+say "kernel headers for bcc: $BCC_KERNEL_SOURCE"
+
+# ---------------------------------------------------------------- .venv
+venv_ok() {
+    [ -x "$VENV/bin/python" ] && [ -f "$VENV/pyvenv.cfg" ] \
+        && grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg" \
+        && grep -qx 'include-system-site-packages = true' "$VENV/pyvenv.cfg" \
+        && "$VENV/bin/python" -c '' 2>/dev/null
+}
+if ! venv_ok; then
+    if [ -e "$VENV" ]; then
+        say "removing .venv: not a working /usr/bin/python3 --system-site-packages venv"
+        rm -rf "$VENV"
+    fi
+    say "creating .venv (/usr/bin/python3 -m venv --system-site-packages)"
+    "$PY" -m venv --system-site-packages "$VENV"
+fi
+mkdir -p "$LOG_DIR"
+
+# Python packages Debian lacks, installed into .venv with pip.  Everything else comes
+# from Debian through the system site packages.  Currently none.  Never add "bcc".
+PIP_PKGS=()
+
+# Editable install: reinstalled only when its inputs change (setup.py, pyproject.toml,
+# PIP_PKGS).  When the cffi-built transport engine lands, add its sources here.
+STAMP_INPUTS=(setup.py pyproject.toml)
+stamp=$VENV/.mrc-xdp-installed
+want=$( { for f in "${STAMP_INPUTS[@]}"; do [ -f "$f" ] && cat "$f"; done; echo "${PIP_PKGS[*]-}"; } \
+        | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ]; then
+    pip_log=$LOG_DIR/pip.log
+    : >"$pip_log"
+    if [ ${#PIP_PKGS[@]} -gt 0 ]; then
+        say "installing into .venv from PyPI: ${PIP_PKGS[*]}"
+        "$VENV/bin/pip" install -q "${PIP_PKGS[@]}" >>"$pip_log" 2>&1 \
+            || { tail -n 15 "$pip_log" >&2; die "pip install ${PIP_PKGS[*]} failed (log: $pip_log)"; }
+    fi
+    say "installing mrc-xdp into .venv (pip install -e .)"
+    # Dependencies are Debian's (checked below), so pip needs nothing from an index.
+    "$VENV/bin/pip" install -q --no-deps --no-build-isolation --no-index -e . >>"$pip_log" 2>&1 \
+        || { tail -n 15 "$pip_log" >&2; die "pip install -e . failed (log: $pip_log)"; }
+    echo "$want" >"$stamp"
+else
+    say "mrc-xdp: installed in .venv (editable)"
+fi
+
+# ---------------------------------------------------------------- checks
+# -I: import from the installed environment, not from the current directory.
+"$VENV/bin/python" -I - <<'EOF' || exit 1
+import sys
+try:
+    import bcc, cffi, pyroute2, scapy  # noqa: F401
+except ImportError as e:
+    sys.exit("setup: error: %s: install the Debian package (python3-bpfcc, python3-cffi, "
+             "python3-pyroute2, python3-scapy)" % e)
+if not bcc.__file__.startswith("/usr/lib/python3/dist-packages/"):
+    sys.exit("setup: error: bcc is imported from %s, which is not Debian's python3-bpfcc: "
+             "run .venv/bin/pip uninstall -y bcc (PyPI's 'bcc' is an unrelated package)"
+             % bcc.__file__)
+try:
+    import mrc_xdp  # noqa: F401
+except Exception as e:
+    sys.exit("setup: error: .venv cannot import mrc_xdp (%s: %s): run make clean && make setup"
+             % (type(e).__name__, e))
+EOF
+say "imports: bcc, scapy, pyroute2, cffi, mrc_xdp ok"
+
+# bcc compiles and loads a trivial XDP program (a fraction of a second).
+bcc_log=$LOG_DIR/bcc-check.log
+"$VENV/bin/python" -I - >"$bcc_log" 2>&1 <<'EOF' || {
+import sys
+from bcc import BPF
+try:
+    b = BPF(text="int xdp_ok(struct xdp_md *ctx) { return XDP_PASS; }")
+except Exception as e:
+    sys.exit("compile failed: %s" % e)
+try:
+    b.load_func("xdp_ok", BPF.XDP)
+except Exception as e:
+    sys.exit("load failed: %s" % e)
+EOF
+    tail -n 10 "$bcc_log" >&2
+    die "bcc cannot compile and load a trivial XDP program with headers $BCC_KERNEL_SOURCE (log: $bcc_log): check that you are root, that the kernel has BPF (CONFIG_BPF_SYSCALL), and that the headers tree is complete (rm -rf /var/cache/mrc-xdp and rerun)"
+}
+say "bcc: compiles and loads XDP programs"
+
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+say "ready in $((ms / 1000)).$((ms % 1000 / 100))s: make demo | make test"
