@@ -22,6 +22,7 @@
 #define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
 #define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
 #define MRC_LOSS_BATCH       4      /* losses attributed per SACK at most */
+#define MRC_BACKUP_PER_PLANE_MAX 16 /* backup EVs per plane (bounds the replacement scan) */
 #define MRC_XSK_MAX          64     /* AF_XDP sockets (one per rx queue) */
 #define MRC_EVENTS_BYTES     262144 /* EV state-change ring buffer */
 #define MRC_LINK_MAX         1024   /* lab link models (keyed by ifindex) */
@@ -104,7 +105,6 @@ enum mrc_ev_reason {
 	MRC_R_REPLACED    = 6,   /* backup EV promoted into an active slot */
 	MRC_R_OPERATOR    = 7,   /* deny / allow from user space */
 	MRC_R_PROBE_OK    = 8,   /* resurrected after probes */
-	MRC_R_DENIED_SWAP = 9,   /* DENIED/ASSUMED_BAD active slot swapped out lazily */
 };
 
 enum mrc_mode {
@@ -114,7 +114,7 @@ enum mrc_mode {
 
 /* mrc_config.flags */
 #define MRC_CF_DSCP_REWRITE  1   /* spray writes DSCP by packet class */
-#define MRC_CF_UDP_CSUM      2   /* keep a non-zero UDP checksum valid (always on) */
+#define MRC_CF_SET_ECT       2   /* spray marks Not-ECT data ECT(0) so the fabric can mark CE */
 
 /* ------------------------------------------------------------------ maps */
 /* Map names: at most 15 characters, spelled once.  Pinned under
@@ -186,6 +186,7 @@ struct mrc_conn {
 	__u16 backup_per_plane; /* backups per plane: slots 256 + [p*n, (p+1)*n) */
 	__u16 tmpl;             /* SRv6 row template index */
 	__u16 flags;
+	__u16 stride[4];        /* rotation strides, each coprime with ev_per_plane */
 	__u64 lock;             /* cmpxchg guard for slot swaps */
 };
 
@@ -278,7 +279,6 @@ enum mrc_ctr {
 	MRC_C_SPRAY_ICRC_FIX,
 	MRC_C_SPRAY_CSUM_FIX,
 	MRC_C_SPRAY_SKIP,           /* SKIP EV passed over (and returned to GOOD) */
-	MRC_C_SPRAY_LAZY_SWAP,      /* unusable active EV replaced at selection */
 	MRC_C_SPRAY_DATA,
 	MRC_C_SPRAY_CTRL,
 	MRC_C_ING_RX,               /* frames seen by ingress */
@@ -304,7 +304,7 @@ enum mrc_ctr {
 	MRC_C_ENG_RX,               /* mrc0: frames arriving for the engine */
 	MRC_C_ENG_XSK,              /* redirected to an AF_XDP socket */
 	MRC_C_ENG_PASS,             /* to the kernel stack (UDP fallback) */
-	MRC_C_BAD_TRUNC_IPV6,       /* malformed: counted, dropped */
+	MRC_C_BAD_TRUNC_IPV6,       /* malformed MRC (UDP 4791): counted, dropped */
 	MRC_C_BAD_TRUNC_UDP,
 	MRC_C_BAD_UDP_LEN,
 	MRC_C_BAD_TRUNC_BTH,
@@ -319,45 +319,52 @@ enum mrc_ctr {
 };
 
 /* ------------------------------------------------------------------ lab link model */
+/* bpf/linkmodel.c: one XDP program at the receiving end of every fabric link of a lab,
+ * maps keyed by the receiving ifindex (unique across the lab), pinned under
+ * /sys/fs/bpf/mrc/lab-<prefix>/. */
 #define MRC_LMAP_CFG     mrc_lcfg      /* HASH ifindex -> struct mrc_link_cfg */
 #define MRC_LMAP_STATE   mrc_lstate    /* HASH ifindex -> struct mrc_link_state */
 #define MRC_LMAP_STATS   mrc_lstats    /* PERCPU_HASH ifindex -> struct mrc_link_ctr */
+#define MRC_LMAP_NEXT    mrc_lnext     /* PROG_ARRAY[MRC_LNEXT_MAX]: run after the model */
 #define MRC_PROG_LINK    mrc_link
+#define MRC_LNEXT_MAX    64
 
 #define MRC_LF_ECN       1             /* mark CE above ecn_bytes (off on the last hop) */
 #define MRC_LF_TRIM      2             /* trim MRC data above trim_bytes */
-#define MRC_LF_BLACKHOLE 4
+#define MRC_LF_BLACKHOLE 4             /* drop everything */
 
 struct mrc_link_cfg {
-	__u64 rate_bps;         /* phantom queue drain rate; 0 = unlimited */
+	__u64 rate_bps;         /* phantom queue drain rate; 0 = unlimited (no queue) */
 	__u32 ecn_bytes;        /* mark CE above this backlog */
 	__u32 trim_bytes;       /* trim above this backlog */
-	__u32 drop_bytes;       /* drop above this backlog */
+	__u32 drop_bytes;       /* drop above this backlog; 0 = never */
 	__u32 loss_ppm;         /* random loss, parts per million */
 	__u32 flags;            /* MRC_LF_* */
 	__u32 flap_period_ms;   /* 0 = no flap; else down for the second half of each period */
-	__u8  dscp_trimmed;
-	__u8  dscp_ctrl;        /* never trimmed */
-	__u16 udp_port;
-	__u32 pad;
+	__u8  dscp_trimmed;     /* DSCP written into trimmed packets (outer and inner) */
+	__u8  dscp_ctrl;        /* packets with this DSCP are never trimmed */
+	__u16 udp_port;         /* MRC UDP destination port (4791) */
+	__u32 next_prog;        /* 0: XDP_PASS; n: tail-call mrc_lnext[n - 1] after a pass */
 };
 
 struct mrc_link_state {
 	__u64 backlog;          /* phantom queue bytes at last_ns */
-	__u64 last_ns;
-	__u64 lock;
+	__u64 last_ns;          /* bpf_ktime_get_ns() of the last update; in the future = frozen */
+	__u64 lock;             /* cmpxchg guard */
 };
 
+/* Per link end, per CPU.  pkts/bytes/mrc_pkts count every arriving frame (before
+ * any drop); the rest count what the model did. */
 struct mrc_link_ctr {
 	__u64 pkts;
 	__u64 bytes;
-	__u64 marked;
+	__u64 marked;           /* CE set */
 	__u64 trimmed;
-	__u64 drop_queue;
-	__u64 drop_loss;
+	__u64 drop_queue;       /* backlog above drop_bytes */
+	__u64 drop_loss;        /* loss_ppm */
 	__u64 drop_blackhole;
 	__u64 drop_flap;
-	__u64 mrc_pkts;
+	__u64 mrc_pkts;         /* IPv6/UDP to udp_port (any opcode) */
 };
 
 #endif /* MRC_SHARED_H */

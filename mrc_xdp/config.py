@@ -293,7 +293,7 @@ class HostConfig:
                 ev_per_plane=_int(c.get("ev_per_plane", 8), k + ".ev_per_plane", 1,
                                   const("MRC_EV_ACTIVE_MAX") // np_),
                 backup_per_plane=_int(c.get("backup_per_plane", 4), k + ".backup_per_plane", 0,
-                                      (const("MRC_EV_SLOTS") - const("MRC_EV_ACTIVE_MAX")) // np_),
+                                      const("MRC_BACKUP_PER_PLANE_MAX")),
                 t1s=_int(c.get("t1s", 1), k + ".t1s", 1, 255),
                 name=str(c.get("name", "")) or "%s/%d" % (c["peer"], c["remote_qpn"]),
             )

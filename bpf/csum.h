@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR BSD-2-Clause) */
+/*
+ * csum.h - keep the UDP checksum and the RoCEv2 ICRC valid across an EV rewrite.
+ *
+ * Of the fields spray rewrites, the ICRC masks the flow label and the UDP checksum but
+ * not the UDP source port.  CRC-32 is linear: for equal-length messages
+ * crc(a) ^ crc(b) = crc0(a ^ b) (init 0, no final xor), and a ^ b is zero except the
+ * 2-byte source port followed by udp_len - 6 covered bytes.  Row udp_len - 6 of
+ * mrc_icrc holds crc0 of each of the 16 single-bit port changes, filled by user space.
+ */
+#ifndef MRC_CSUM_H
+#define MRC_CSUM_H
+
+#include "maps.h"
+#include "parse.h"
+
+static __always_inline __u16 csum_fold32(__u32 s)
+{
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)s;
+}
+
+/* RFC 1624 eqn. 3 for one 16-bit word; UDP over IPv6 never sends 0 (0xFFFF instead). */
+static __always_inline __u16 udp_csum_replace16(__u16 check, __u16 old, __u16 new)
+{
+	__u32 s = (__u16)~check + (__u32)(__u16)~old + new;
+	__u16 r = ~csum_fold32(s);
+
+	return r ? r : 0xFFFF;
+}
+
+static __always_inline __u32 icrc_delta(struct mrc_icrc_row *row, __u16 d)
+{
+	__u32 delta = 0;
+	int i;
+
+#pragma unroll
+	for (i = 0; i < 16; i++)
+		if (d & (1 << i))
+			delta ^= row->bit[i];
+	return delta;
+}
+
+/* Apply the ICRC change of sport old -> new. Returns 0 on success, -1 if out of table. */
+static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt *p,
+					     __u16 old_sport, __u16 new_sport)
+{
+	__u32 n = p->udp_len - 6;
+	struct mrc_icrc_row *row;
+	__u32 off, v, delta;
+
+	if (n >= MRC_ICRC_TBL_LEN)
+		return -1;
+	row = mrc_icrc.lookup(&n);
+	if (!row)
+		return -1;
+	delta = icrc_delta(row, old_sport ^ new_sport);
+	off = p->udp_off + p->udp_len - MRC_ICRC_LEN;
+	if (bpf_xdp_load_bytes(ctx, off, &v, sizeof(v)))
+		return -1;
+#if (MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
+    (!MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
+	v ^= delta;
+#else
+	v ^= __builtin_bswap32(delta);
+#endif
+	if (bpf_xdp_store_bytes(ctx, off, &v, sizeof(v)))
+		return -1;
+	return 0;
+}
+
+#endif

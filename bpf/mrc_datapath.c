@@ -1,0 +1,466 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR BSD-2-Clause) */
+/*
+ * mrc_datapath.c - the host's MRC multipath engine, three thin XDP entry points.
+ *
+ *   engine --mrc0==mrc0p--> [mrc_spray] --devmap--> plane NIC pN --> fabric
+ *   fabric --> plane NIC [mrc_ingress] --devmap--> mrc0p==mrc0 [mrc_to_engine] --> XSK / stack
+ *
+ * Non-MRC frames leave every program byte-for-byte unchanged (XDP_PASS); malformed MRC
+ * frames are counted by reason and dropped.  All policy lives in maps (mrc_shared.h).
+ */
+#include "maps.h"
+#include "counters.h"
+#include "parse.h"
+#include "csum.h"
+#include "ev_state.h"
+#include "ev_select.h"
+#include "srv6.h"
+
+static __always_inline struct mrc_config *cfg_get(void)
+{
+	__u32 k = 0;
+
+	return mrc_cfg.lookup(&k);
+}
+
+static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *cid,
+				     struct mrc_conn **c)
+{
+	struct mrc_conn_key key = {};
+	__u32 *id;
+
+	__builtin_memcpy(key.peer, peer, 16);
+	key.qpn = qpn;
+	key.dir = dir;
+	id = mrc_connidx.lookup(&key);
+	if (!id)
+		return -1;
+	*cid = *id;
+	*c = mrc_conns.lookup(id);
+	return *c ? 0 : -1;
+}
+
+/* Traffic class = DSCP << 2 | ECN, split over the first two IPv6 header bytes. */
+static __always_inline void set_tc(struct ipv6hdr *ip6, __u8 tc)
+{
+	ip6->priority = tc >> 4;
+	ip6->flow_lbl[0] = (ip6->flow_lbl[0] & 0x0f) | (tc << 4);
+}
+
+/* ------------------------------------------------------------------ spray */
+
+int mrc_spray(struct xdp_md *ctx)
+{
+	struct mrc_config *cfg = cfg_get();
+	struct mrc_pkt p = {};
+	struct mrc_conn *c;
+	struct mrc_ev *e;
+	struct mrc_plane *pl;
+	struct mrc_ev_ctr *ec;
+	struct ipv6hdr *ip6;
+	struct udphdr *udp;
+	void *data, *data_end;
+	__u32 reason, cid, slot, plane, k;
+	__u16 old_sport, new_sport;
+	__u8 tc;
+	int rc;
+
+	if (!cfg)
+		return XDP_PASS;
+	ctr_inc(MRC_C_SPRAY_RX);
+	rc = mrc_parse(ctx, &p, cfg->udp_port, 0, &reason);
+	if (rc == MRC_P_NOT) {
+		ctr_inc(MRC_C_SPRAY_NON_MRC);
+		if (reason < MRC_C_MAX)
+			ctr_inc(reason);
+		return XDP_PASS;
+	}
+	if (rc == MRC_P_BAD) {
+		ctr_inc(reason);
+		return XDP_DROP;
+	}
+	if (p.udp_len - 6 >= MRC_ICRC_TBL_LEN) {
+		ctr_inc(MRC_C_BAD_TOO_LONG);
+		return XDP_DROP;
+	}
+	if (conn_find(p.daddr, p.dqpn, MRC_DIR_TX, &cid, &c)) {
+		ctr_inc(MRC_C_SPRAY_NO_CONN);
+		return XDP_PASS;
+	}
+
+	slot = ev_select(cid, c, cfg->nplanes);
+	if (slot == MRC_NO_SLOT) {
+		ctr_inc(MRC_C_SPRAY_NO_EV);
+		return XDP_DROP;
+	}
+	e = ev_at(cid, slot);
+	if (!e)
+		return XDP_DROP;
+	plane = e->plane;
+	k = plane;
+	pl = mrc_planes.lookup(&k);
+	if (!pl || !pl->ifindex) {
+		ctr_inc(MRC_C_SPRAY_NO_PORT);
+		return XDP_DROP;
+	}
+
+	/* Rewrite the EV: UDP sport = EV[31:16], flow label = EV[15:0]. */
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	ip6 = data + MRC_ETH_LEN;
+	udp = data + MRC_ETH_LEN + MRC_IPV6_LEN;
+	if ((void *)(udp + 1) > data_end)
+		return XDP_DROP;
+	old_sport = bpf_ntohs(udp->source);
+	new_sport = e->ev >> 16;
+	ip6->flow_lbl[0] &= 0xf0;
+	ip6->flow_lbl[1] = (e->ev >> 8) & 0xff;
+	ip6->flow_lbl[2] = e->ev & 0xff;
+	tc = p.tc;
+	if (cfg->flags & MRC_CF_DSCP_REWRITE) {
+		__u8 dscp = !mrc_is_data(p.opcode) ? cfg->dscp_ctrl :
+			    (p.b8 & MRC_BTH_B8_RTX) ? cfg->dscp_rtx : cfg->dscp_data;
+		tc = (dscp << 2) | (tc & 3);
+	}
+	if ((cfg->flags & MRC_CF_SET_ECT) && mrc_is_data(p.opcode) && !(tc & 3))
+		tc |= 2;  /* ECT(0) */
+	set_tc(ip6, tc);
+	if (old_sport != new_sport) {
+		udp->source = bpf_htons(new_sport);
+		if (udp->check) {
+			udp->check = bpf_htons(udp_csum_replace16(bpf_ntohs(udp->check), old_sport, new_sport));
+			ctr_inc(MRC_C_SPRAY_CSUM_FIX);
+		}
+		if (icrc_update_sport(ctx, &p, old_sport, new_sport)) {
+			ctr_inc(MRC_C_BAD_TOO_LONG);
+			return XDP_DROP;
+		}
+		ctr_inc(MRC_C_SPRAY_ICRC_FIX);
+	}
+
+	/* Remember which EV carried which PSN, for loss attribution from SACK bitmaps. */
+	if (mrc_is_data(p.opcode)) {
+		struct mrc_psn_ent *pe;
+
+		k = cid * MRC_PSN_RING + (p.psn & (MRC_PSN_RING - 1));
+		pe = mrc_psn.lookup(&k);
+		if (pe) {
+			pe->psn = p.psn;
+			pe->ev = e->ev;
+			pe->flags = MRC_PSNF_VALID;
+		}
+		ctr_inc(MRC_C_SPRAY_DATA);
+	} else {
+		ctr_inc(MRC_C_SPRAY_CTRL);
+	}
+	ec = evctr_of(cid, e);
+	if (ec) {
+		ec->tx_pkts++;
+		ec->tx_bytes += p.pkt_len;
+	}
+
+	if (cfg->mode == MRC_MODE_SRV6) {
+		struct mrc_srv6_tmpl *t;
+
+		k = c->tmpl;
+		t = mrc_srv6.lookup(&k);
+		if (!t || srv6_encap(ctx, t, pl, plane, e->t1, cfg->hop_limit)) {
+			ctr_inc(MRC_C_SPRAY_NO_PORT);
+			return XDP_DROP;
+		}
+		ctr_inc(MRC_C_SPRAY_SRV6_ENCAP);
+	}
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	if (data + MRC_ETH_LEN > data_end)
+		return XDP_DROP;
+	__builtin_memcpy(data, pl->dmac, 6);
+	__builtin_memcpy(data + 6, pl->smac, 6);
+	ctr_inc(MRC_C_SPRAY_TX);
+	ctr_add(MRC_C_SPRAY_BYTES, (long)data_end - (long)data);
+	return mrc_ports.redirect_map(plane, 0);
+}
+
+/* ------------------------------------------------------------------ ingress */
+
+static __always_inline __u32 psn_diff(__u32 a, __u32 b)   /* (a - b) mod 2^24 */
+{
+	return (a - b) & 0xFFFFFF;
+}
+
+static __always_inline int highest_bit(__u64 x)
+{
+	int n = 0;
+
+	if (x >> 32) { n += 32; x >>= 32; }
+	if (x >> 16) { n += 16; x >>= 16; }
+	if (x >> 8)  { n += 8;  x >>= 8; }
+	if (x >> 4)  { n += 4;  x >>= 4; }
+	if (x >> 2)  { n += 2;  x >>= 2; }
+	if (x >> 1)  { n += 1; }
+	return n;
+}
+
+/*
+ * Holes in the SACK bitmap at least loss_reorder PSNs below the newest SACKed PSN are
+ * losses; the PSN ring names the EV that carried each.  Each send is counted once.
+ */
+static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
+					__u32 cack, __u32 base, __u64 bitmap)
+{
+	__u32 lost_ev[MRC_LOSS_BATCH] = {};
+	__u32 nlost = 0, i, hi, k, psn, retire, *slotp;
+	struct mrc_evidx_key key = { .conn = cid };
+	struct mrc_psn_ent *pe;
+	struct mrc_ev_ctr *ec;
+	struct mrc_ev *e;
+
+	if (!bitmap)
+		return;
+	hi = highest_bit(bitmap);
+	for (i = 0; i < 64; i++) {
+		if (i + cfg->loss_reorder > hi || nlost >= MRC_LOSS_BATCH)
+			break;
+		if (bitmap & (1ULL << i))
+			continue;
+		psn = (base + i) & 0xFFFFFF;
+		if (psn_diff(psn, cack) & 0x800000)   /* before cack: already received */
+			continue;
+		k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
+		pe = mrc_psn.lookup(&k);
+		if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
+			continue;
+		pe->flags |= MRC_PSNF_LOST;
+		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
+		nlost++;
+	}
+	/* Count every loss; retire at most one EV per SACK (one replacement scan), the
+	 * next SACK that attributes a loss to another EV over threshold retires that. */
+	retire = MRC_NO_SLOT;
+#pragma clang loop unroll(disable)
+	for (i = 0; i < MRC_LOSS_BATCH; i++) {
+		if (i >= nlost)
+			break;
+		key.ev = lost_ev[i];
+		slotp = mrc_evidx.lookup(&key);
+		if (!slotp)
+			continue;
+		e = ev_at(cid, *slotp);
+		if (!e)
+			continue;
+		ctr_inc(MRC_C_ING_LOSS);
+		ec = evctr_of(cid, e);
+		if (ec)
+			ec->loss++;
+		e->losses++;
+		if (e->losses >= cfg->loss_thresh && retire == MRC_NO_SLOT &&
+		    (e->state == MRC_EV_GOOD || e->state == MRC_EV_SKIP))
+			retire = *slotp;
+	}
+	if (retire != MRC_NO_SLOT) {
+		e = ev_at(cid, retire);
+		if (e)
+			ev_retire(cid, c, retire, e, MRC_R_LOSS);
+	}
+}
+
+/* SACK / NACK: apply the EV state machine at once, for known connections only. */
+static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, struct mrc_config *cfg)
+{
+	struct mrc_evidx_key key = {};
+	struct mrc_conn *c;
+	struct mrc_ev *e;
+	struct mrc_ev_ctr *ec;
+	__u32 cid, slot, *slotp;
+	__u8 *h;
+
+	if (conn_find(p->saddr, p->dqpn, MRC_DIR_RX, &cid, &c)) {
+		ctr_inc(MRC_C_ING_FB_NO_CONN);
+		return;
+	}
+	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN : MRC_NETH_LEN);
+	if (!h)
+		return;
+	key.conn = cid;
+	key.ev = get32(h + 4);
+	slotp = mrc_evidx.lookup(&key);
+	if (!slotp) {
+		ctr_inc(MRC_C_ING_FB_NO_EV);
+		return;
+	}
+	slot = *slotp;
+	e = ev_at(cid, slot);
+	if (!e)
+		return;
+	ec = evctr_of(cid, e);
+
+	if (p->opcode == MRC_OP_SACK) {
+		__u8 m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
+		__u32 cack = get24(h + 13);
+		__s16 soff = (__s16)(((__u16)h[18] << 8) | h[19]);
+
+		if (ec)
+			ec->sack++;
+		if (m == MRC_M_SKIP_ONCE) {
+			if (ec)
+				ec->ecn++;
+			if (ev_skip(cid, slot, e, MRC_R_SACK_SKIP))
+				ctr_inc(MRC_C_ING_FB_SKIP);
+		} else if (m == MRC_M_ALWAYS_SKIP) {
+			ev_retire(cid, c, slot, e, MRC_R_SACK_ALWAYS);
+		}
+		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20));
+	} else {
+		__u8 why = h[2];
+
+		if (ec)
+			ec->nack++;
+		if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
+			if (ec)
+				ec->trim++;
+			if (ev_skip(cid, slot, e, MRC_R_NACK_TRIM))
+				ctr_inc(MRC_C_ING_FB_SKIP);
+		}
+	}
+}
+
+static __always_inline void count_rx_data(struct mrc_pkt *p)
+{
+	struct mrc_conn_key ck = {};
+	struct mrc_evidx_key key = {};
+	struct mrc_rxev_ctr *rc, zero = {};
+	__u32 *id;
+
+	__builtin_memcpy(ck.peer, p->saddr, 16);
+	ck.qpn = p->dqpn;
+	ck.dir = MRC_DIR_RX;
+	id = mrc_connidx.lookup(&ck);
+	key.conn = id ? *id : MRC_MAX_CONNS;   /* MRC_MAX_CONNS: data of no known connection */
+	key.ev = p->ev;
+	rc = mrc_rxev.lookup(&key);
+	if (!rc) {
+		mrc_rxev.update(&key, &zero);
+		rc = mrc_rxev.lookup(&key);
+		if (!rc)
+			return;
+	}
+	rc->pkts++;
+	rc->bytes += p->pkt_len;
+	if ((p->tc & 3) == 3) {
+		rc->ce++;
+		ctr_inc(MRC_C_ING_DATA_CE);
+	}
+}
+
+int mrc_ingress(struct xdp_md *ctx)
+{
+	struct mrc_config *cfg = cfg_get();
+	struct mrc_pkt p = {};
+	void *data, *data_end;
+	__u32 reason, k;
+	int rc;
+
+	if (!cfg)
+		return XDP_PASS;
+	ctr_inc(MRC_C_ING_RX);
+	rc = mrc_parse(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, &reason);
+	if (rc == MRC_P_NOT) {
+		ctr_inc(MRC_C_ING_NON_MRC);
+		if (reason < MRC_C_MAX)
+			ctr_inc(reason);
+		return XDP_PASS;
+	}
+	if (rc == MRC_P_BAD) {
+		ctr_inc(reason);
+		return XDP_DROP;
+	}
+
+	if (p.outer) {
+		struct mrc_plane *pl;
+		struct ipv6hdr *outer;
+		__u32 *pidx;
+
+		k = ctx->ingress_ifindex;
+		pidx = mrc_ifplane.lookup(&k);
+		if (!pidx) {
+			ctr_inc(MRC_C_ING_NOT_OURS);
+			return XDP_PASS;
+		}
+		k = *pidx;
+		pl = mrc_planes.lookup(&k);
+		data = (void *)(long)ctx->data;
+		data_end = (void *)(long)ctx->data_end;
+		outer = data + MRC_ETH_LEN;
+		if (!pl || (void *)(outer + 1) > data_end)
+			return XDP_PASS;
+		if (!addr_eq((__u8 *)&outer->daddr, pl->local_sid, 6)) {
+			ctr_inc(MRC_C_ING_NOT_OURS);
+			return XDP_PASS;
+		}
+		rc = srv6_decap(ctx);
+		if (rc < 0) {
+			ctr_inc(MRC_C_BAD_SRV6);
+			return XDP_DROP;
+		}
+		if (rc > 0) {
+			ctr_inc(MRC_C_ING_CE_COPY);
+			p.tc |= 3;
+		}
+		p.outer = 0;
+		p.l3_off -= MRC_IPV6_LEN;
+		p.udp_off -= MRC_IPV6_LEN;
+		p.pkt_len -= MRC_IPV6_LEN;
+		ctr_inc(MRC_C_ING_DECAP);
+	}
+	if (!addr_eq(p.daddr, cfg->local_addr, 16)) {
+		ctr_inc(MRC_C_ING_NOT_OURS);
+		return XDP_PASS;
+	}
+
+	if (mrc_is_data(p.opcode)) {
+		ctr_inc(MRC_C_ING_DATA);
+		count_rx_data(&p);
+	} else if (p.opcode == MRC_OP_SACK) {
+		ctr_inc(MRC_C_ING_SACK);
+		feedback(ctx, &p, cfg);
+	} else if (p.opcode == MRC_OP_NACK) {
+		ctr_inc(MRC_C_ING_NACK);
+		feedback(ctx, &p, cfg);
+	} else if (p.opcode == MRC_OP_ACK) {
+		ctr_inc(MRC_C_ING_ACK);
+	} else if (p.opcode == MRC_OP_PROBE_REQ) {
+		ctr_inc(MRC_C_ING_PROBE);
+	} else {
+		ctr_inc(MRC_C_ING_OTHER);
+	}
+
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	if (data + MRC_ETH_LEN > data_end)
+		return XDP_DROP;
+	__builtin_memcpy(data, cfg->app_mac, 6);
+	__builtin_memcpy(data + 6, cfg->fab_mac, 6);
+	ctr_inc(MRC_C_ING_TO_ENGINE);
+	return mrc_ports.redirect_map(MRC_PORT_ENGINE, 0);
+}
+
+/* ------------------------------------------------------------------ engine side (mrc0) */
+
+int mrc_to_engine(struct xdp_md *ctx)
+{
+	struct mrc_config *cfg = cfg_get();
+	struct mrc_pkt p = {};
+	__u32 reason, q = ctx->rx_queue_index;
+
+	if (!cfg)
+		return XDP_PASS;
+	if (mrc_parse(ctx, &p, cfg->udp_port, 0, &reason) != MRC_P_OK)
+		return XDP_PASS;
+	ctr_inc(MRC_C_ENG_RX);
+	if (mrc_xsks.lookup(&q)) {
+		ctr_inc(MRC_C_ENG_XSK);
+		return mrc_xsks.redirect_map(q, XDP_PASS);
+	}
+	ctr_inc(MRC_C_ENG_PASS);
+	return XDP_PASS;
+}
