@@ -1,0 +1,278 @@
+"""Load and unload the host datapath.
+
+``load(cfg)`` compiles bpf/mrc_datapath.c with bcc, fills the maps from the config,
+attaches spray to the fabric side of the mrc0 pair, ingress to every plane NIC and
+to_engine to mrc0, and pins every map and program under /sys/fs/bpf/mrc/<instance>/
+so the datapath outlives the loading process and any process can read it.
+``unload(instance)`` detaches exactly our programs and removes the pins and state.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+
+from . import bpfsys, netns
+from .config import HostConfig
+from .maps import DATAPATH_MAPS, DevInfo, pin_dir, state_path, write_all
+from .shared import CONSTS, MAP_NAMES
+
+PROGS = {"spray": MAP_NAMES["MRC_PROG_SPRAY"], "ingress": MAP_NAMES["MRC_PROG_INGRESS"],
+         "engine": MAP_NAMES["MRC_PROG_ENGINE"]}
+
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+
+_icrc_rows_cache: list | None = None
+
+
+class LoadError(RuntimeError):
+    """One line saying what failed and what to do."""
+
+
+class AlreadyLoaded(LoadError):
+    pass
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise LoadError("needs root (CAP_BPF and CAP_NET_ADMIN): run it with sudo")
+    if not os.path.ismount("/sys/fs/bpf"):
+        raise LoadError("/sys/fs/bpf is not mounted: mount -t bpf bpf /sys/fs/bpf")
+
+
+def icrc_rows():
+    global _icrc_rows_cache
+    if _icrc_rows_cache is None:
+        from .wire import icrc_update_rows
+        _icrc_rows_cache = icrc_update_rows(CONSTS["MRC_ICRC_TBL_LEN"])
+    return _icrc_rows_cache
+
+
+@contextlib.contextmanager
+def _in(ns: str | None):
+    if ns is None:
+        yield
+        return
+    if not netns.exists(ns):
+        raise LoadError("network namespace %r does not exist" % ns)
+    with netns.enter(ns):
+        yield
+
+
+def _link(ipr, name: str, hint: str):
+    idx = ipr.link_lookup(ifname=name)
+    if not idx:
+        raise LoadError("%s: no such device — %s" % (name, hint))
+    return ipr.get_links(idx[0])[0]
+
+
+def _xdp_prog_id(link) -> int:
+    xdp = link.get_attr("IFLA_XDP")
+    if not xdp:
+        return 0
+    return xdp.get_attr("IFLA_XDP_PROG_ID") or 0
+
+
+def _resolve_gateway(ipr, ifindex: int, gw: str, dev: str) -> str:
+    for n in ipr.get_neighbours(ifindex=ifindex, family=10):
+        if n.get_attr("NDA_DST") == gw and n.get_attr("NDA_LLADDR"):
+            return n.get_attr("NDA_LLADDR")
+    raise LoadError("%s: gateway %s has no neighbour entry — ping it once or set gateway_mac" % (dev, gw))
+
+
+def _devinfo(cfg: HostConfig, force: bool) -> tuple[DevInfo, dict]:
+    from pyroute2 import IPRoute
+
+    hint = "run `mrc-xdp lab up` or fix the device name in the config"
+    names = {}
+    with IPRoute() as ipr:
+        app = _link(ipr, cfg.app_dev, "create the mrc0 veth pair (app_dev) or pass --app-dev")
+        fab = _link(ipr, cfg.fabric_dev, "create the mrc0 veth pair (fabric_dev) or pass --fabric-dev")
+        planes = []
+        for pl in cfg.planes:
+            lk = _link(ipr, pl.dev, hint)
+            gw = pl.gateway_mac or _resolve_gateway(ipr, lk["index"], pl.gateway, pl.dev)
+            planes.append((lk["index"], lk.get_attr("IFLA_ADDRESS"), gw))
+            names[pl.dev] = lk
+        names[cfg.app_dev] = app
+        names[cfg.fabric_dev] = fab
+        for name, lk in names.items():
+            pid = _xdp_prog_id(lk)
+            if pid and not force:
+                raise AlreadyLoaded("%s: an XDP program (id %d) is already attached — "
+                                    "`mrc-xdp unload` it, or pass --force to replace it" % (name, pid))
+            if lk.get_attr("IFLA_OPERSTATE") == "DOWN" and lk["flags"] & 1 == 0:
+                ipr.link("set", index=lk["index"], state="up")
+    dev = DevInfo(app["index"], app.get_attr("IFLA_ADDRESS"), fab["index"], fab.get_attr("IFLA_ADDRESS"), planes)
+    return dev, {n: lk["index"] for n, lk in names.items()}
+
+
+class Datapath:
+    """A compiled datapath: the bcc object, program fds and maps (by name)."""
+
+    def __init__(self, bpf):
+        from bcc import BPF
+        self.bpf = bpf
+        self.fns = {k: bpf.load_func(v.encode(), BPF.XDP) for k, v in PROGS.items()}
+        self.maps = {n: bpfsys.Map(bpf[n.encode()].map_fd, n, owns_fd=False) for n in DATAPATH_MAPS}
+
+    def fd(self, prog: str) -> int:
+        return self.fns[prog].fd
+
+    def configure(self, cfg: HostConfig, dev: DevInfo) -> None:
+        write_all(self.maps, cfg, dev, icrc_rows())
+
+
+def build() -> Datapath:
+    """Compile and load (not attach) the datapath programs; ~2 s."""
+    from .bpfsrc import compile_bpf
+    try:
+        return Datapath(compile_bpf("mrc_datapath.c"))
+    except Exception as e:  # bcc raises bare Exception with the verifier log printed above
+        raise LoadError("BPF compile/load failed: %s (kernel headers: run `make setup`)" % e) from e
+
+
+def _attach(fd: int, dev: str, mode: str) -> str:
+    """Attach prog fd to dev (current netns); 'auto' tries native, then generic."""
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+    modes = {"native": [XDP_FLAGS_DRV_MODE], "generic": [XDP_FLAGS_SKB_MODE],
+             "auto": [XDP_FLAGS_DRV_MODE, XDP_FLAGS_SKB_MODE]}[mode]
+    last = None
+    with IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=dev)
+        if not idx:
+            raise LoadError("%s: no such device" % dev)
+        for fl in modes:
+            try:
+                ipr.link("set", index=idx[0], xdp_fd=fd, xdp_flags=fl)
+                return "native" if fl == XDP_FLAGS_DRV_MODE else "generic"
+            except NetlinkError as e:
+                last = os.strerror(e.code)
+    raise LoadError("%s: cannot attach XDP in %s mode: %s" % (dev, mode, last))
+
+
+def _detach(dev: str, expect_ids: set[int]) -> bool:
+    """Detach the XDP program from dev if it is one of ours. True if detached."""
+    from pyroute2 import IPRoute
+    with IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=dev)
+        if not idx:
+            return False
+        lk = ipr.get_links(idx[0])[0]
+        pid = _xdp_prog_id(lk)
+        if not pid or (expect_ids and pid not in expect_ids):
+            return False
+        xdp = lk.get_attr("IFLA_XDP")
+        mode = xdp.get_attr("IFLA_XDP_ATTACHED") if xdp else None
+        flags = XDP_FLAGS_SKB_MODE if mode == "xdpgeneric" else XDP_FLAGS_DRV_MODE
+        ipr.link("set", index=idx[0], xdp_fd=-1, xdp_flags=flags)
+        return True
+
+
+def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
+         xdp_mode: str = "auto", config_path: str | None = None, progress=None) -> dict:
+    """Load the datapath for cfg; returns the state written to /run/mrc-xdp/<instance>.json."""
+    say = progress or (lambda s: None)
+    require_root()
+    pdir = pin_dir(cfg.instance)
+    if os.path.exists(pdir):
+        if not force:
+            raise AlreadyLoaded("instance %r is already loaded — `mrc-xdp unload --instance %s` "
+                                "first, or pass --force to replace it" % (cfg.instance, cfg.instance))
+        unload(cfg.instance)
+    t0 = time.monotonic()
+    with _in(netns_name):
+        dev, ifindexes = _devinfo(cfg, force)
+    say("compiling datapath (bcc)")
+    dp = build()
+    say("writing maps: %d connections, %d planes" % (len(cfg.connections), len(cfg.planes)))
+    with _in(netns_name):   # devmap entries name ifindexes of the caller's netns
+        dp.configure(cfg, dev)
+    os.makedirs(pdir, exist_ok=True)
+    try:
+        for name, mp in dp.maps.items():
+            bpfsys.obj_pin(mp.fd, os.path.join(pdir, name))
+        for key, fn in dp.fns.items():
+            bpfsys.obj_pin(fn.fd, os.path.join(pdir, "prog_" + key))
+        attached = {}
+        with _in(netns_name):
+            if force:
+                for d in [cfg.app_dev, cfg.fabric_dev] + [p.dev for p in cfg.planes]:
+                    _detach(d, set())
+            say("attaching: spray -> %s, ingress -> %s, to_engine -> %s" % (
+                cfg.fabric_dev, ",".join(p.dev for p in cfg.planes), cfg.app_dev))
+            attached[cfg.app_dev] = _attach(dp.fd("engine"), cfg.app_dev, xdp_mode)
+            attached[cfg.fabric_dev] = _attach(dp.fd("spray"), cfg.fabric_dev, xdp_mode)
+            for p in cfg.planes:
+                attached[p.dev] = _attach(dp.fd("ingress"), p.dev, xdp_mode)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            with _in(netns_name):
+                for d in [cfg.app_dev, cfg.fabric_dev] + [p.dev for p in cfg.planes]:
+                    _detach(d, {bpfsys.prog_info(fn.fd).id for fn in dp.fns.values()})
+        shutil.rmtree(pdir, ignore_errors=True)
+        raise
+    state = {
+        "instance": cfg.instance,
+        "netns": netns_name,
+        "mode": cfg.mode,
+        "local_addr": cfg.local_addr,
+        "app_dev": cfg.app_dev,
+        "fabric_dev": cfg.fabric_dev,
+        "planes": [{"dev": p.dev, "ifindex": dev.planes[i][0], "gateway_mac": dev.planes[i][2]}
+                   for i, p in enumerate(cfg.planes)],
+        "ifindexes": ifindexes,
+        "xdp_modes": attached,
+        "prog_ids": {k: bpfsys.prog_info(fn.fd).id for k, fn in dp.fns.items()},
+        "connections": [{"name": c.name, "peer": c.peer, "local_qpn": c.local_qpn,
+                         "remote_qpn": c.remote_qpn} for c in cfg.connections],
+        "config_path": config_path,
+        "loaded_at": time.time(),
+        "load_seconds": round(time.monotonic() - t0, 3),
+    }
+    os.makedirs(os.path.dirname(state_path(cfg.instance)), exist_ok=True)
+    with open(state_path(cfg.instance), "w") as f:
+        json.dump(state, f, indent=1)
+    return state
+
+
+def unload(instance: str, quiet_missing: bool = False) -> dict:
+    """Detach our programs, remove pins and state. Returns what was removed."""
+    require_root()
+    pdir = pin_dir(instance)
+    spath = state_path(instance)
+    if not os.path.exists(pdir) and not os.path.exists(spath):
+        if quiet_missing:
+            return {"instance": instance, "detached": [], "pins": False}
+        raise LoadError("instance %r is not loaded (nothing to unload)" % instance)
+    try:
+        with open(spath) as f:
+            state = json.load(f)
+    except (FileNotFoundError, ValueError):
+        state = {}
+    ids = set((state.get("prog_ids") or {}).values())
+    for key in PROGS:   # the pinned programs name our ids even without a state file
+        with contextlib.suppress(OSError):
+            fd = bpfsys.obj_get(os.path.join(pdir, "prog_" + key))
+            ids.add(bpfsys.prog_info(fd).id)
+            os.close(fd)
+    detached = []
+    devs = [state.get("app_dev"), state.get("fabric_dev")] + [p["dev"] for p in state.get("planes", [])]
+    ns = state.get("netns")
+    if ns is None or netns.exists(ns):
+        with _in(ns):
+            for d in filter(None, devs):
+                with contextlib.suppress(Exception):
+                    if _detach(d, ids):
+                        detached.append(d)
+    shutil.rmtree(pdir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(spath)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(pdir))   # /sys/fs/bpf/mrc when it is empty
+    return {"instance": instance, "detached": detached, "pins": True}

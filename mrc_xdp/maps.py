@@ -1,0 +1,296 @@
+"""Live datapath state: write configuration into the maps, read counters and EV tables.
+
+Works on any map fds: the bcc object's while loading, or the pins under
+/sys/fs/bpf/mrc/<instance>/ from any later process (``Instance``).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import random
+import time
+
+from . import bpfsys
+from .config import HostConfig
+from .shared import (Ctr, EvReason, EvState, EV_CTR_FIELDS, MAP_NAMES, as_dict, const, ffi,
+                     sizeof, to_bytes)
+
+PIN_ROOT = "/sys/fs/bpf/mrc"
+STATE_DIR = "/run/mrc-xdp"
+
+SLOTS = const("MRC_EV_SLOTS")
+ACTIVE_MAX = const("MRC_EV_ACTIVE_MAX")
+DATAPATH_MAPS = sorted(v for k, v in MAP_NAMES.items() if k.startswith("MRC_MAP_"))
+
+
+class NotLoaded(RuntimeError):
+    pass
+
+
+def pin_dir(instance: str) -> str:
+    return os.path.join(PIN_ROOT, instance)
+
+
+def state_path(instance: str) -> str:
+    return os.path.join(STATE_DIR, instance + ".json")
+
+
+def instances() -> list[str]:
+    try:
+        return sorted(d for d in os.listdir(PIN_ROOT)
+                      if os.path.exists(os.path.join(PIN_ROOT, d, MAP_NAMES["MRC_MAP_CFG"])))
+    except FileNotFoundError:
+        return []
+
+
+def _u32(v: int) -> bytes:
+    return int(v).to_bytes(4, "little")
+
+
+def _addr(a: str) -> bytes:
+    return ipaddress.IPv6Address(a).packed
+
+
+def _mac(m: str) -> bytes:
+    return bytes.fromhex(m.replace(":", ""))
+
+
+def rotation_strides(n: int, rng: random.Random) -> list[int]:
+    """Four strides coprime with n (different rotation orders), 1 for n == 1."""
+    cands = [s for s in range(1, max(n, 2)) if math.gcd(s, n) == 1] or [1]
+    return [rng.choice(cands) for _ in range(4)]
+
+
+# ---------------------------------------------------------------- writing
+
+class DevInfo:
+    """What the loader learned about the devices: ifindexes and MACs."""
+
+    def __init__(self, app_ifindex, app_mac, fab_ifindex, fab_mac, planes):
+        self.app_ifindex, self.app_mac = app_ifindex, app_mac
+        self.fab_ifindex, self.fab_mac = fab_ifindex, fab_mac
+        self.planes = planes   # list of (ifindex, mac, gateway_mac)
+
+
+def write_all(m: dict, cfg: HostConfig, dev: DevInfo, icrc_rows: list[list[int]]) -> None:
+    """Fill every configuration map. m: map name -> bpfsys.Map."""
+    c = ffi.new("struct mrc_config *")
+    c.mode = 1 if cfg.mode == "srv6" else 0
+    c.nplanes = len(cfg.planes)
+    c.udp_port = cfg.udp_port
+    c.flags = (const("MRC_CF_DSCP_REWRITE") if cfg.dscp_rewrite else 0) | const("MRC_CF_SET_ECT")
+    c.loss_reorder = cfg.loss_reorder
+    c.loss_thresh = cfg.loss_thresh
+    ffi.memmove(c.local_addr, _addr(cfg.local_addr), 16)
+    ffi.memmove(c.app_mac, _mac(dev.app_mac), 6)
+    ffi.memmove(c.fab_mac, _mac(dev.fab_mac), 6)
+    c.dscp_data, c.dscp_ctrl, c.dscp_rtx = cfg.dscp_data, cfg.dscp_ctrl, cfg.dscp_rtx
+    c.hop_limit = cfg.hop_limit
+    m["mrc_cfg"].update(0, to_bytes(c))
+
+    for i, (pl, (ifindex, mac, gw_mac)) in enumerate(zip(cfg.planes, dev.planes)):
+        p = ffi.new("struct mrc_plane *")
+        p.ifindex = ifindex
+        ffi.memmove(p.smac, _mac(mac), 6)
+        ffi.memmove(p.dmac, _mac(gw_mac), 6)
+        if pl.srv6_src:
+            ffi.memmove(p.src_addr, _addr(pl.srv6_src), 16)
+        if pl.local_sid:
+            ffi.memmove(p.local_sid, _addr(pl.local_sid), 16)
+        m["mrc_planes"].update(i, to_bytes(p))
+        m["mrc_ifplane"].update(ifindex, _u32(i))
+        m["mrc_ports"].update(i, _u32(ifindex))
+    m["mrc_ports"].update(const("MRC_PORT_ENGINE"), _u32(dev.fab_ifindex))
+
+    for i, t in enumerate(cfg.srv6_templates.values()):
+        st = ffi.new("struct mrc_srv6_tmpl *")
+        ffi.memmove(st.block, _addr(t.block)[:4], 4)
+        for j, u in enumerate(t.usids):
+            st.usid[j] = u
+        st.n_usid = len(t.usids)
+        st.t1_pos = 255 if t.t1_pos < 0 else t.t1_pos
+        st.plane_shift, st.t1_shift = t.plane_shift, t.t1_shift
+        m["mrc_srv6"].update(i, to_bytes(st))
+
+    row = ffi.new("struct mrc_icrc_row *")
+    for n, bits in enumerate(icrc_rows):
+        for i in range(16):
+            row.bit[i] = bits[i]
+        m["mrc_icrc"].update(n, to_bytes(row))
+
+    for cid, conn in enumerate(cfg.connections):
+        write_connection(m, cfg, cid, conn)
+
+
+def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
+    nplanes = len(cfg.planes)
+    rng = random.Random(cid * 7919 + conn.local_qpn)
+    cc = ffi.new("struct mrc_conn *")
+    ffi.memmove(cc.peer, _addr(conn.peer), 16)
+    cc.local_qpn, cc.remote_qpn = conn.local_qpn, conn.remote_qpn
+    cc.ev_per_plane, cc.backup_per_plane = conn.ev_per_plane, conn.backup_per_plane
+    cc.tmpl = cfg.template_index(conn.template) if conn.template else 0
+    for i, s in enumerate(rotation_strides(conn.ev_per_plane, rng)):
+        cc.stride[i] = s
+    m["mrc_conns"].update(cid, to_bytes(cc))
+
+    active, backup = conn.ev_sets(nplanes)
+    ev = ffi.new("struct mrc_ev *")
+    now = time.monotonic_ns()
+    k = ffi.new("struct mrc_evidx_key *")
+    k.conn = cid
+    for region, sets, per in ((0, active, conn.ev_per_plane), (ACTIVE_MAX, backup, conn.backup_per_plane)):
+        for p, evs in enumerate(sets):
+            for j, spec in enumerate(evs):
+                slot = region + p * per + j
+                ev.ev, ev.plane, ev.t1 = spec.ev, spec.plane, spec.t1
+                ev.state = EvState.GOOD
+                ev.reason = EvReason.NONE
+                ev.cidx = slot
+                ev.losses = 0
+                ev.changed_ns = now
+                m["mrc_evs"].update(cid * SLOTS + slot, to_bytes(ev))
+                k.ev = spec.ev
+                m["mrc_evidx"].update(to_bytes(k), _u32(slot))
+
+    for d in (0, 1):
+        key = ffi.new("struct mrc_conn_key *")
+        ffi.memmove(key.peer, _addr(conn.peer), 16)
+        key.qpn = conn.remote_qpn if d == 0 else conn.local_qpn
+        key.dir = d
+        m["mrc_connidx"].update(to_bytes(key), _u32(cid))
+
+
+# ---------------------------------------------------------------- reading
+
+class Instance:
+    """A loaded datapath, through its pins. Usable from any process."""
+
+    def __init__(self, name: str = "default"):
+        self.name = name
+        self.dir = pin_dir(name)
+        if not os.path.exists(os.path.join(self.dir, "mrc_cfg")):
+            raise NotLoaded("instance %r is not loaded: run `mrc-xdp load` first%s" % (
+                name, " (loaded: %s)" % ", ".join(instances()) if instances() else ""))
+        self._maps: dict[str, bpfsys.Map] = {}
+        try:
+            with open(state_path(name)) as f:
+                self.state = json.load(f)
+        except (FileNotFoundError, ValueError):
+            self.state = {}
+
+    def map(self, name: str) -> bpfsys.Map:
+        if name not in self._maps:
+            self._maps[name] = bpfsys.Map.open_pinned(os.path.join(self.dir, name))
+        return self._maps[name]
+
+    def close(self):
+        for mp in self._maps.values():
+            mp.close()
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    @property
+    def maps(self):
+        return _Lazy(self)
+
+    # -- counters
+    def counters(self) -> dict[str, int]:
+        mp = self.map("mrc_stats")
+        out = {}
+        for c in Ctr:
+            if c == Ctr.MAX:
+                continue
+            out[c.name.lower()] = sum(bpfsys.sum_u64_percpu(mp.lookup(int(c))))
+        return out
+
+    def connections(self) -> list[dict]:
+        conns = []
+        cm = self.map("mrc_conns")
+        for cid, meta in enumerate(self.state.get("connections", [])):
+            raw = cm.lookup(cid)
+            d = as_dict(ffi.cast("struct mrc_conn *", ffi.from_buffer(raw)))
+            d["peer"] = str(ipaddress.IPv6Address(d["peer"]))
+            d["id"] = cid
+            d["name"] = meta.get("name", "")
+            conns.append(d)
+        return conns
+
+    def ev_table(self, conn: int | None = None) -> list[dict]:
+        """One row per configured EV (active and backup), with summed per-EV counters."""
+        rows = []
+        evs, ctr = self.map("mrc_evs"), self.map("mrc_evctr")
+        nctr = len(EV_CTR_FIELDS)
+        for c in self.connections():
+            if conn is not None and c["id"] != conn:
+                continue
+            n, b = c["ev_per_plane"], c["backup_per_plane"]
+            nplanes = len(self.state.get("planes", [])) or 1
+            slots = [p * n + k for p in range(nplanes) for k in range(n)] + \
+                    [ACTIVE_MAX + p * b + k for p in range(nplanes) for k in range(b)]
+            for slot in slots:
+                raw = evs.lookup(c["id"] * SLOTS + slot)
+                e = ffi.cast("struct mrc_ev *", ffi.from_buffer(raw))
+                if e.state == EvState.UNUSED:
+                    continue
+                cnt = bpfsys.sum_u64_percpu(ctr.lookup(c["id"] * SLOTS + e.cidx), nctr)
+                row = {"conn": c["id"], "conn_name": c["name"], "slot": slot,
+                       "role": "active" if slot < ACTIVE_MAX else "backup",
+                       "ev": e.ev, "plane": e.plane, "t1": e.t1,
+                       "state": EvState(e.state).name, "reason": EvReason(e.reason).name,
+                       "losses": e.losses}
+                row.update(zip(EV_CTR_FIELDS, cnt))
+                rows.append(row)
+        return rows
+
+    def rx_evs(self) -> list[dict]:
+        mp = self.map("mrc_rxev")
+        out = []
+        for k, vals in mp.items():
+            key = ffi.cast("struct mrc_evidx_key *", ffi.from_buffer(k))
+            pk, by, ce = bpfsys.sum_u64_percpu(vals, 3)
+            out.append({"conn": key.conn, "ev": key.ev, "pkts": pk, "bytes": by, "ce": ce})
+        return sorted(out, key=lambda r: (r["conn"], r["ev"]))
+
+    # -- operator actions
+    def find_ev(self, ev: int, conn: int | None = None):
+        k = ffi.new("struct mrc_evidx_key *")
+        for c in self.connections():
+            if conn is not None and c["id"] != conn:
+                continue
+            k.conn, k.ev = c["id"], ev
+            raw = self.map("mrc_evidx").lookup(to_bytes(k))
+            if raw is not None:
+                return c["id"], int.from_bytes(raw, "little")
+        raise KeyError("EV %#010x is not in the EV set of %s" % (
+            ev, "connection %d" % conn if conn is not None else "any connection"))
+
+    def set_ev_state(self, ev: int, state: EvState, conn: int | None = None) -> dict:
+        """Operator deny/allow. Returns {conn, slot, old, new}."""
+        cid, slot = self.find_ev(ev, conn)
+        mp = self.map("mrc_evs")
+        key = cid * SLOTS + slot
+        e = ffi.new("struct mrc_ev *")
+        ffi.memmove(e, mp.lookup(key), sizeof("struct mrc_ev"))
+        old = EvState(e.state)
+        e.state = state
+        e.reason = EvReason.OPERATOR
+        e.losses = 0
+        e.changed_ns = time.monotonic_ns()
+        mp.update(key, to_bytes(e))
+        return {"conn": cid, "slot": slot, "ev": ev, "old": old.name, "new": EvState(state).name}
+
+
+class _Lazy:
+    def __init__(self, inst):
+        self._inst = inst
+
+    def __getitem__(self, name):
+        return self._inst.map(name)
