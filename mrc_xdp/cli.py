@@ -1,0 +1,424 @@
+"""mrc-xdp: load the MRC datapath onto a host, inspect live per-EV state, run the lab.
+
+A thin layer over the library (loader, maps, lab); every command has --json where a
+script may want it.  Errors are one line on stderr, exit status 1 (2 for usage).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+EPILOG = """\
+examples:
+  mrc-xdp load --config host.toml            load the datapath described in host.toml
+  mrc-xdp stats --watch                      live counters and per-EV rates, every second
+  mrc-xdp ev list --state ASSUMED_BAD        EVs the datapath has retired
+  mrc-xdp ev deny 0x3d3ec531                 take one path out of service
+  mrc-xdp unload                             detach everything, remove pins
+  mrc-xdp demo                               the whole story on a lab fabric, in a minute
+"""
+
+
+class CliError(Exception):
+    pass
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("mrc-xdp")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        return "0.1.0+checkout"
+
+
+def _out(args, obj, text_fn):
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=1, default=str))
+    else:
+        text_fn(obj)
+
+
+def table(rows: list[dict], cols: list[str], headers: list[str] | None = None, fmt=None) -> str:
+    fmt = fmt or {}
+    headers = headers or cols
+    cells = [[fmt.get(c, str)(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for row in cells:
+        lines.append("  ".join(v.rjust(w) if v[:1].isdigit() else v.ljust(w)
+                               for v, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _hex(v):
+    return "%#010x" % v
+
+
+# ---------------------------------------------------------------- load / unload / status
+
+def cmd_load(args):
+    from .config import HostConfig
+    from . import loader
+
+    if not args.config:
+        raise CliError("load needs --config FILE (see `mrc-xdp load --help` for the format)")
+    cfg = HostConfig.from_toml(args.config)
+    if args.instance:
+        cfg.instance = args.instance
+    if args.mode:
+        cfg.mode = args.mode
+    say = (lambda s: print("load: " + s, file=sys.stderr)) if not args.json else None
+    st = loader.load(cfg, netns_name=args.netns, force=args.force, xdp_mode=args.xdp_mode,
+                     config_path=os.path.abspath(args.config), progress=say)
+    _out(args, st, lambda s: print(
+        "loaded %s (%s mode) in %.1f s: spray on %s, ingress on %s, %d connections; pinned at %s" % (
+            s["instance"], s["mode"], s["load_seconds"], s["fabric_dev"],
+            ",".join(p["dev"] for p in s["planes"]), len(s["connections"]),
+            "/sys/fs/bpf/mrc/" + s["instance"])))
+
+
+def cmd_unload(args):
+    from . import loader, maps
+    names = maps.instances() if args.all else [args.instance]
+    if args.all and not names:
+        raise CliError("nothing loaded")
+    res = [loader.unload(n) for n in names]
+    _out(args, res, lambda rs: [print("unloaded %s: detached %s, pins removed" % (
+        r["instance"], ",".join(r["detached"]) or "nothing")) for r in rs])
+
+
+def _open(args):
+    from .maps import Instance
+    return Instance(args.instance)
+
+
+def cmd_status(args):
+    from . import maps
+    names = maps.instances()
+    out = []
+    for n in names:
+        with maps.Instance(n) as inst:
+            rows = inst.ev_table()
+            by_state = {}
+            for r in rows:
+                if r["role"] == "active":
+                    by_state[r["state"]] = by_state.get(r["state"], 0) + 1
+            st = dict(inst.state)
+            st["active_evs_by_state"] = by_state
+            st["counters"] = {k: v for k, v in inst.counters().items() if v}
+            out.append(st)
+    if args.instance != "default" or (args.instance == "default" and "default" in names):
+        sel = [s for s in out if s.get("instance") == args.instance]
+        out = sel or out
+
+    def text(sts):
+        if not sts:
+            print("nothing loaded (run `mrc-xdp load --config FILE`)")
+            return
+        for s in sts:
+            print("instance %s: %s mode%s, local %s" % (
+                s.get("instance"), s.get("mode"), " in netns %s" % s["netns"] if s.get("netns") else "",
+                s.get("local_addr")))
+            print("  spray    %s (%s)" % (s.get("fabric_dev"), s.get("xdp_modes", {}).get(s.get("fabric_dev"))))
+            print("  engine   %s (%s)" % (s.get("app_dev"), s.get("xdp_modes", {}).get(s.get("app_dev"))))
+            for i, p in enumerate(s.get("planes", [])):
+                print("  plane %d  %s ingress (%s), next hop %s" % (
+                    i, p["dev"], s.get("xdp_modes", {}).get(p["dev"]), p["gateway_mac"]))
+            print("  %d connections; active EVs: %s" % (len(s.get("connections", [])), ", ".join(
+                "%d %s" % (v, k) for k, v in sorted(s["active_evs_by_state"].items())) or "none"))
+            c = s["counters"]
+            print("  sprayed %d pkts, ingress %d pkts, to engine %d, dropped malformed %d" % (
+                c.get("spray_tx", 0), c.get("ing_rx", 0), c.get("ing_to_engine", 0),
+                sum(v for k, v in c.items() if k.startswith("bad_"))))
+    _out(args, out, text)
+
+
+# ---------------------------------------------------------------- ev
+
+EV_COLS = ["conn", "slot", "role", "ev", "plane", "t1", "state", "reason", "tx_pkts", "sack",
+           "ecn", "trim", "nack", "loss", "skipped"]
+
+
+def _parse_ev(s: str) -> int:
+    try:
+        v = int(s, 0)
+    except ValueError:
+        raise CliError("EV %r: expected a number (e.g. 0x3d3ec531)" % s) from None
+    if not 0 <= v <= 0xFFFFFFFF:
+        raise CliError("EV %r: must fit in 32 bits" % s)
+    return v
+
+
+def cmd_ev(args):
+    from .shared import EvState
+    with _open(args) as inst:
+        if args.ev_cmd == "list":
+            rows = inst.ev_table(args.conn)
+            if args.state:
+                want = args.state.upper()
+                if want not in EvState.__members__:
+                    raise CliError("--state %s: one of %s" % (args.state, ", ".join(EvState.__members__)))
+                rows = [r for r in rows if r["state"] == want]
+            _out(args, rows, lambda rs: print(table(rs, EV_COLS, fmt={"ev": _hex})))
+            return
+        ev = _parse_ev(args.ev)
+        try:
+            res = inst.set_ev_state(ev, EvState.DENIED if args.ev_cmd == "deny" else EvState.GOOD, args.conn)
+        except KeyError as e:
+            raise CliError(str(e.args[0])) from None
+        _out(args, res, lambda r: print("EV %#010x (conn %d, slot %d): %s -> %s" % (
+            r["ev"], r["conn"], r["slot"], r["old"], r["new"])))
+
+
+# ---------------------------------------------------------------- stats
+
+def _snapshot(inst):
+    return {"t": time.monotonic(), "counters": inst.counters(), "evs": inst.ev_table()}
+
+
+def _stats_obj(inst, prev, cur):
+    dt = (cur["t"] - prev["t"]) if prev else 0
+    ctr = cur["counters"]
+    rates = {}
+    if prev and dt > 0:
+        rates = {k: (v - prev["counters"].get(k, 0)) / dt for k, v in ctr.items()}
+    evs = cur["evs"]
+    if prev and dt > 0:
+        pev = {(r["conn"], r["ev"]): r for r in prev["evs"]}
+        for r in evs:
+            p = pev.get((r["conn"], r["ev"]))
+            r["pps"] = round((r["tx_pkts"] - p["tx_pkts"]) / dt, 1) if p else 0.0
+    tot = sum(r["tx_pkts"] for r in evs) or 1
+    for r in evs:
+        r["share"] = round(100.0 * r["tx_pkts"] / tot, 2)
+    planes = {}
+    for r in evs:
+        planes[r["plane"]] = planes.get(r["plane"], 0) + r["tx_pkts"]
+    return {"instance": inst.name, "interval_s": round(dt, 3), "counters": ctr,
+            "rates": {k: round(v, 1) for k, v in rates.items() if v},
+            "planes": {str(p): {"tx_pkts": n, "share": round(100.0 * n / tot, 2)} for p, n in sorted(planes.items())},
+            "evs": evs, "rx_evs": inst.rx_evs()}
+
+
+def _stats_text(s, all_counters=False):
+    ctr = s["counters"]
+    rates = s["rates"]
+    rows = [{"counter": k, "value": v, "rate": ("%.0f/s" % rates[k]) if k in rates else ""}
+            for k, v in ctr.items() if v or all_counters]
+    print("instance %s%s" % (s["instance"], "   (rates over %.1f s)" % s["interval_s"] if s["interval_s"] else ""))
+    print(table(rows, ["counter", "value", "rate"]) if rows else "(all counters zero)")
+    if s["planes"]:
+        print("\nplanes: " + "   ".join("plane %s %d pkts (%.1f%%)" % (p, v["tx_pkts"], v["share"])
+                                       for p, v in s["planes"].items()))
+    if s["evs"]:
+        cols = ["conn", "ev", "plane", "t1", "role", "state", "tx_pkts", "share", "sack", "ecn", "trim",
+                "loss", "skipped"]
+        if s["interval_s"]:
+            cols.insert(7, "pps")
+        print()
+        print(table(s["evs"], cols, fmt={"ev": _hex, "share": lambda v: "%.1f%%" % v}))
+    if s["rx_evs"]:
+        print("\nreceived (per sender EV):")
+        print(table(s["rx_evs"], ["conn", "ev", "pkts", "bytes", "ce"], fmt={"ev": _hex}))
+
+
+def cmd_stats(args):
+    with _open(args) as inst:
+        if not args.watch:
+            s = _stats_obj(inst, None, _snapshot(inst))
+            _out(args, s, lambda o: _stats_text(o, args.all))
+            return
+        prev = _snapshot(inst)
+        n = 0
+        try:
+            while args.count is None or n < args.count:
+                time.sleep(args.watch)
+                cur = _snapshot(inst)
+                s = _stats_obj(inst, prev, cur)
+                if args.json:
+                    print(json.dumps(s, default=str), flush=True)
+                else:
+                    if sys.stdout.isatty():
+                        print("\033[2J\033[H", end="")
+                    _stats_text(s, args.all)
+                    print(flush=True)
+                prev = cur
+                n += 1
+        except KeyboardInterrupt:
+            pass
+
+
+# ---------------------------------------------------------------- events
+
+def cmd_events(args):
+    from . import bpfsys
+    from .shared import EvReason, EvState, ffi
+
+    with _open(args) as inst:
+        mp = inst.map("mrc_events")
+
+        def show(raw):
+            e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
+            d = {"ts_ns": e.ts_ns, "conn": e.conn, "ev": e.ev, "slot": e.slot, "plane": e.plane,
+                 "old": EvState(e.old_state).name, "new": EvState(e.new_state).name,
+                 "reason": EvReason(e.reason).name, "other_ev": e.other_ev}
+            if args.json:
+                print(json.dumps(d), flush=True)
+            else:
+                extra = " (replaced %#010x)" % e.other_ev if e.reason == EvReason.REPLACED else ""
+                print("%.6f conn %d plane %d EV %#010x %s -> %s: %s%s" % (
+                    e.ts_ns / 1e9, e.conn, e.plane, e.ev, d["old"], d["new"], d["reason"], extra), flush=True)
+
+        rb = bpfsys.RingReader(mp.fd, show)
+        deadline = time.monotonic() + args.seconds if args.seconds else None
+        try:
+            while True:
+                rb.poll(100)
+                if not args.follow and rb.poll(0) == 0:
+                    break
+                if deadline and time.monotonic() > deadline:
+                    break
+        except KeyboardInterrupt:
+            pass
+        finally:
+            rb.close()
+
+
+# ---------------------------------------------------------------- misc
+
+def cmd_version(args):
+    from .shared import CONSTS
+    v = {"mrc-xdp": _version(), "kernel": os.uname().release,
+         "limits": {k: CONSTS[k] for k in ("MRC_MAX_CONNS", "MRC_MAX_PLANES", "MRC_EV_ACTIVE_MAX",
+                                           "MRC_BACKUP_PER_PLANE_MAX")}}
+    _out(args, v, lambda o: print("mrc-xdp %s (kernel %s)" % (o["mrc-xdp"], o["kernel"])))
+
+
+def cmd_demo(args):
+    from . import demo
+    demo.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mrc-xdp", description="MRC (Multipath Reliable Connection) on Linux hosts with XDP: "
+        "load the multipath datapath, watch per-path (per-EV) health, run the lab fabric.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    def inst(sp):
+        sp.add_argument("--instance", "-i", default="default",
+                        help="datapath instance name (pins under /sys/fs/bpf/mrc/NAME; default: default)")
+
+    def js(sp):
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("load", help="compile, configure and attach the datapath",
+                        description="Load the MRC datapath: spray on the fabric side of the mrc0 veth pair, "
+                        "ingress on every plane NIC, to_engine on mrc0. The config file (TOML) names the "
+                        "devices, the mode and the connections; see the docstring of mrc_xdp/config.py "
+                        "or README for the format. Maps stay pinned after load exits.")
+    sp.add_argument("--config", "-c", help="host config TOML file")
+    sp.add_argument("--mode", choices=["ecmp", "srv6"], help="override the config's mode")
+    sp.add_argument("--netns", help="load into this named network namespace")
+    sp.add_argument("--force", action="store_true", help="replace an instance or XDP program already there")
+    sp.add_argument("--xdp-mode", choices=["auto", "native", "generic"], default="auto",
+                    help="XDP attach mode (auto: native, else generic)")
+    sp.add_argument("--instance", "-i", help="override the config's instance name")
+    js(sp)
+    sp.set_defaults(fn=cmd_load)
+
+    sp = sub.add_parser("unload", help="detach programs and remove pins")
+    inst(sp)
+    sp.add_argument("--all", action="store_true", help="every loaded instance")
+    js(sp)
+    sp.set_defaults(fn=cmd_unload)
+
+    sp = sub.add_parser("status", help="what is loaded where, EV states, key counters")
+    inst(sp)
+    js(sp)
+    sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("ev", help="list EVs; deny or allow one",
+                        description="EV = Entropy Value: one path through the fabric. States: GOOD, SKIP "
+                        "(sits out one rotation after ECN/trim feedback), ASSUMED_BAD (retired by the "
+                        "datapath after loss or ALWAYS_SKIP; replaced by a backup of the same plane), "
+                        "DENIED (by the operator; never auto-recovers).")
+    esub = sp.add_subparsers(dest="ev_cmd", metavar="ACTION", required=True)
+    e = esub.add_parser("list", help="every EV with state and counters")
+    inst(e); js(e)
+    e.add_argument("--conn", type=int, help="only this connection id")
+    e.add_argument("--state", help="only EVs in this state (GOOD, SKIP, ASSUMED_BAD, DENIED)")
+    for name, hlp in (("deny", "take an EV out of service (DENIED)"), ("allow", "return an EV to GOOD")):
+        e = esub.add_parser(name, help=hlp)
+        e.add_argument("ev", help="the EV, e.g. 0x3d3ec531")
+        e.add_argument("--conn", type=int, help="connection id, if the EV is in several sets")
+        inst(e); js(e)
+    sp.set_defaults(fn=cmd_ev)
+
+    sp = sub.add_parser("stats", help="counters, plane shares and the per-EV table",
+                        description="Counters by name, per-plane and per-EV packet shares. --watch N refreshes "
+                        "every N seconds with rates; --json prints one JSON object (per refresh with --watch).")
+    inst(sp); js(sp)
+    sp.add_argument("--watch", "-w", type=float, nargs="?", const=1.0, metavar="SECONDS",
+                    help="refresh every SECONDS (default 1) with live rates")
+    sp.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
+    sp.add_argument("--all", action="store_true", help="show zero counters too")
+    sp.set_defaults(fn=cmd_stats)
+
+    sp = sub.add_parser("events", help="EV state changes from the datapath's ring buffer")
+    inst(sp); js(sp)
+    sp.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
+    sp.add_argument("--seconds", type=float, help="with --follow: stop after this long")
+    sp.set_defaults(fn=cmd_events)
+
+    sp = sub.add_parser("version", help="version and datapath limits")
+    js(sp)
+    sp.set_defaults(fn=cmd_version)
+
+    sp = sub.add_parser("demo", help="bring up the lab, spray traffic, fail a T1, show MRC routing around it")
+    sp.add_argument("--mode", choices=["srv6", "ecmp"], default="srv6")
+    sp.add_argument("--packets", type=int, default=20000, help="packets per phase")
+    sp.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    sp.set_defaults(fn=cmd_demo)
+
+    try:
+        from .lab import cli as lab_cli
+        lab_cli.add_parser(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "fn", None):
+        p.print_help()
+        return 2
+    from .config import ConfigError
+    from .loader import LoadError
+    from .maps import NotLoaded
+    from .bpfsys import BpfError
+    try:
+        args.fn(args)
+    except (CliError, ConfigError, LoadError, NotLoaded) as e:
+        print("mrc-xdp: %s" % e, file=sys.stderr)
+        return 1
+    except BpfError as e:
+        hint = " (needs root)" if e.errno in (1, 13) else ""
+        print("mrc-xdp: %s%s" % (e.strerror if e.strerror else e, hint), file=sys.stderr)
+        return 1
+    except PermissionError as e:
+        print("mrc-xdp: %s: permission denied (needs root)" % (e.filename or e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
