@@ -241,24 +241,60 @@ class LinkModel:
 
 
 # ---------------------------------------------------------------- XDP attach
-def xdp_attach(ipr, ifindex: int, prog_fd: int, mode: str = "drv") -> None:
-    """Attach (or with prog_fd -1 detach) an XDP program via a pyroute2 IPRoute whose
-    socket lives in the device's netns."""
-    from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST
-    from pyroute2.netlink.rtnl import RTM_SETLINK
-    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+_xffi = None
+_xlib = None
 
+
+def _libbpf():
+    global _xffi, _xlib
+    if _xlib is None:
+        import cffi
+        _xffi = cffi.FFI()
+        _xffi.cdef("""
+int bpf_xdp_attach(int ifindex, int prog_fd, uint32_t flags, const void *opts);
+int bpf_xdp_detach(int ifindex, uint32_t flags, const void *opts);
+int bpf_xdp_query_id(int ifindex, int flags, uint32_t *prog_id);
+int bpf_prog_get_fd_by_id(uint32_t id);
+""")
+        _xlib = _xffi.dlopen("libbpf.so.1")
+    return _xffi, _xlib
+
+
+def _xcheck(rc: int, what: str) -> int:
+    if rc < 0:
+        e = -rc if rc != -1 else _xffi.errno
+        raise LinkModelError("%s: %s" % (what, os.strerror(e)))
+    return rc
+
+
+def xdp_attach(ifindex: int, prog_fd: int, mode: str = "drv", netns_name: str | None = None) -> None:
+    """Attach an XDP program (replacing any) to a device of netns `netns_name`."""
+    from .. import netns
+    _, lib = _libbpf()
     flags = XDP_FLAGS_DRV_MODE if mode == "drv" else XDP_FLAGS_SKB_MODE
-    msg = ifinfmsg()
-    msg["index"] = ifindex
-    msg["attrs"] = [("IFLA_XDP", {"attrs": [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]})]
-    ipr.nlm_request(msg, msg_type=RTM_SETLINK, msg_flags=NLM_F_REQUEST | NLM_F_ACK)
+    with netns.enter(netns_name):
+        _xcheck(lib.bpf_xdp_attach(ifindex, prog_fd, flags, _xffi.NULL),
+                "attach XDP to ifindex %d%s" % (ifindex, " in " + netns_name if netns_name else ""))
 
 
-def xdp_prog_id(ipr, ifindex: int) -> int:
-    """The id of the XDP program attached to a device (0: none)."""
-    link = ipr.get_links(ifindex)[0]
-    xdp = link.get_attr("IFLA_XDP")
-    if not xdp:
-        return 0
-    return xdp.get_attr("IFLA_XDP_PROG_ID") or 0
+def xdp_detach(ifindex: int, mode: str = "drv", netns_name: str | None = None) -> None:
+    from .. import netns
+    _, lib = _libbpf()
+    flags = XDP_FLAGS_DRV_MODE if mode == "drv" else XDP_FLAGS_SKB_MODE
+    with netns.enter(netns_name):
+        _xcheck(lib.bpf_xdp_detach(ifindex, flags, _xffi.NULL), "detach XDP from ifindex %d" % ifindex)
+
+
+def xdp_prog_id(ifindex: int, netns_name: str | None = None) -> int:
+    """The id of the native XDP program on a device (0: none)."""
+    from .. import netns
+    ffi_, lib = _libbpf()
+    out = ffi_.new("uint32_t *")
+    with netns.enter(netns_name):
+        _xcheck(lib.bpf_xdp_query_id(ifindex, XDP_FLAGS_DRV_MODE, out), "query XDP on ifindex %d" % ifindex)
+    return out[0]
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    _, lib = _libbpf()
+    return _xcheck(lib.bpf_prog_get_fd_by_id(prog_id), "program id %d" % prog_id)

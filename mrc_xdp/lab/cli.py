@@ -1,0 +1,448 @@
+"""`mrc-xdp lab ...`: a thin layer over mrc_xdp.lab (fabric, linkmodel, topology).
+
+The main CLI calls ``add_parser(subparsers)``; each subcommand sets ``func`` to a
+handler taking the parsed args and returning an exit code.  Errors are one line on
+stderr (no traceback), e.g. ``mrc-xdp lab: no node or link 'h9' (nodes: h0, h1, ...)``.
+
+Link names: ``<lower>-<upper>`` names both directions of a link (``h0-p0t0s0``,
+``p0t0s0-p0t1s1``); ``<from>><to>`` one direction, modelled at the receiving end
+(``h0>p0t0s0`` is at p0t0s0's port h0).  ``lab status`` lists them all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from . import fabric
+from . import linkmodel as lmod
+from . import topology as topomod
+from .topology import format_rate, parse_rate
+
+ENV_PREFIX = "MRC_LAB_PREFIX"
+
+
+class UsageError(fabric.LabError):
+    pass
+
+
+def default_prefix() -> str:
+    return os.environ.get(ENV_PREFIX) or fabric.DEFAULT_PREFIX
+
+
+# ---------------------------------------------------------------- library-level operations
+def resolve_ends(topo: topomod.Topology, target: str | None, node_ok: bool = True):
+    """Link ends named by a node, a link ("a-b", both directions) or one direction ("a>b").
+    None: every end.  Returns [(end name, receiving Port, Link)]."""
+    ends = [(name, rx, lk) for name, rx, tx, lk in topo.link_ends()]
+    if target is None:
+        return ends
+    if ">" in target:
+        sel = [e for e in ends if e[0] == target]
+    elif node_ok and target in topo.nodes:
+        sel = [e for e in ends if target in (e[2].a.node, e[2].b.node)]
+    else:
+        sel = [e for e in ends if e[2].name == target]
+        if not sel and "-" in target:       # accept the upper-lower spelling too
+            a, _, b = target.partition("-")
+            sel = [e for e in ends if e[2].name == "%s-%s" % (b, a)]
+    if not sel:
+        what = "node or link" if node_ok else "link"
+        raise UsageError("no %s %r (nodes: %s; links look like %s or %s; see `mrc-xdp lab status`)"
+                         % (what, target, ", ".join(list(topo.nodes)[:6]) + ", ...",
+                            topo.links[0].name, topo.links[-1].name))
+    return sel
+
+
+def _open(prefix: str):
+    st = fabric.load_state(prefix)
+    if not st.get("complete"):
+        raise fabric.LabNotUp("lab %r is not completely up (an `up` failed or is running): "
+                              "run `mrc-xdp lab down --prefix %s` and `up` again" % (prefix, prefix))
+    topo = fabric.topology_of(st)
+    return st, topo, lmod.LinkModel.open(st["pin_dir"])
+
+
+def status(prefix: str) -> dict:
+    """Nodes, link ends with their settings and counters (summed over CPUs)."""
+    st, topo, lm = _open(prefix)
+    with lm:
+        links = []
+        for name, rx, lk in resolve_ends(topo, None):
+            cfg = lm.get(rx.ifindex) or {}
+            q = lm.state(rx.ifindex) or {}
+            links.append({
+                "name": name, "link": lk.name, "tier": lk.tier, "plane": lk.plane,
+                "from": rx.peer.node, "to": rx.node, "dev": "%s:%s" % (rx.node, rx.ifname),
+                "ifindex": rx.ifindex,
+                "rate_bps": cfg.get("rate_bps", 0), "ecn": cfg.get("ecn", False),
+                "trim": cfg.get("trim", False), "blackhole": cfg.get("blackhole", False),
+                "loss_ppm": cfg.get("loss_ppm", 0), "flap_period_ms": cfg.get("flap_period_ms", 0),
+                "ecn_bytes": cfg.get("ecn_bytes", 0), "trim_bytes": cfg.get("trim_bytes", 0),
+                "drop_bytes": cfg.get("drop_bytes", 0),
+                "backlog": _drained(q, cfg.get("rate_bps", 0)),
+                "counters": lm.counters(rx.ifindex),
+            })
+    from .. import netns
+    nodes = []
+    for name, n in topo.nodes.items():
+        ns = st["nodes"][name]
+        d = {"name": name, "kind": n.kind, "netns": ns, "exists": netns.exists(ns)}
+        if n.kind == "host":
+            h = topo.host(name)
+            d.update(addr=h.addr, t0=h.t0,
+                     locators=[topo.host_locator(name, p) for p in range(topo.planes)]
+                     if topo.mode == "srv6" else [])
+        else:
+            d.update(plane=n.plane, index=n.index,
+                     usid="%04x" % n.usid() if topo.mode == "srv6" else None)
+        nodes.append(d)
+    return {"prefix": prefix, "mode": topo.mode, "topology": topo.summary(),
+            "up_s": st.get("up_s"), "pin_dir": st["pin_dir"], "hosts": st.get("hosts"),
+            "nodes": nodes, "links": links}
+
+
+def _drained(q: dict, rate_bps: int) -> int:
+    """The phantom queue's backlog now (the program drains it lazily, on arrivals)."""
+    import time
+    if not q:
+        return 0
+    if not rate_bps:
+        return 0
+    dt = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - q["last_ns"]
+    if dt <= 0:
+        return q["backlog"]
+    return max(0, q["backlog"] - rate_bps * dt // 8_000_000_000)
+
+
+def set_link(prefix: str, target: str, node_ok: bool = False, **changes) -> list[str]:
+    """Apply link-model changes (rate_bps, loss_ppm, blackhole, flap_period_ms, ...)."""
+    st, topo, lm = _open(prefix)
+    with lm:
+        sel = resolve_ends(topo, target, node_ok=node_ok)
+        for name, rx, lk in sel:
+            lm.update(rx.ifindex, **changes)
+    return [e[0] for e in sel]
+
+
+def fail(prefix: str, target: str) -> list[str]:
+    """A node fails: every link end into and out of it is blackholed; a link: both ways."""
+    return set_link(prefix, target, node_ok=True, blackhole=True)
+
+
+def heal(prefix: str, target: str | None = None) -> list[str]:
+    """Clear the faults (blackhole, loss, flap) of a node, a link, or (None) everything."""
+    return set_link(prefix, target, node_ok=True, blackhole=False, loss_ppm=0, flap_period_ms=0) \
+        if target is not None else _heal_all(prefix)
+
+
+def _heal_all(prefix):
+    st, topo, lm = _open(prefix)
+    with lm:
+        sel = resolve_ends(topo, None)
+        for name, rx, lk in sel:
+            lm.update(rx.ifindex, blackhole=False, loss_ppm=0, flap_period_ms=0)
+    return [e[0] for e in sel]
+
+
+# ---------------------------------------------------------------- value parsing
+def parse_loss(v: str) -> int:
+    """'1%' / '0.01' / '500ppm' -> parts per million."""
+    s = v.strip().lower()
+    try:
+        if s.endswith("ppm"):
+            ppm = float(s[:-3])
+        elif s.endswith("%"):
+            ppm = float(s[:-1]) * 10_000
+        else:
+            ppm = float(s) * 1_000_000
+    except ValueError:
+        raise UsageError("loss %r: use a percentage (\"2%%\"), a fraction (\"0.02\") or \"200ppm\"" % v) from None
+    if not 0 <= ppm <= 1_000_000:
+        raise UsageError("loss %r: must be between 0 and 100%%" % v)
+    return int(round(ppm))
+
+
+def parse_period_ms(v: str) -> int:
+    s = v.strip().lower()
+    if s in ("off", "0", "none"):
+        return 0
+    m = re.match(r"^(\d+(?:\.\d+)?)\s*(ms|s)?$", s)
+    if not m:
+        raise UsageError("flap %r: use a period like \"2s\" or \"500ms\", or \"off\"" % v)
+    ms = float(m.group(1)) * (1 if m.group(2) == "ms" else 1000)
+    if not 2 <= ms <= 3_600_000:
+        raise UsageError("flap %r: the period must be between 2ms and 1h" % v)
+    return int(ms)
+
+
+def _onoff(v: str, key: str) -> bool:
+    if v.lower() in ("on", "1", "yes", "true"):
+        return True
+    if v.lower() in ("off", "0", "no", "false"):
+        return False
+    raise UsageError("%s %r: use on or off" % (key, v))
+
+
+def _bytes(v: str, key: str) -> int:
+    m = re.match(r"^(\d+)\s*([kmKM]?)[bB]?$", v.strip())
+    if not m:
+        raise UsageError("%s %r: use bytes, e.g. 30000 or 30k" % (key, v))
+    return int(m.group(1)) * {"": 1, "k": 1000, "m": 1000_000}[m.group(2).lower()]
+
+
+def parse_settings(words: list[str]) -> dict:
+    if not words or len(words) % 2:
+        raise UsageError("link set: give KEY VALUE pairs: rate R | loss P | blackhole on|off | "
+                         "flap PERIOD | ecn on|off | trim on|off | ecn_bytes B | trim_bytes B | drop_bytes B")
+    out = {}
+    for k, v in zip(words[::2], words[1::2]):
+        if k == "rate":
+            try:
+                out["rate_bps"] = 0 if v in ("unlimited", "0") else parse_rate(v, "rate")
+            except topomod.TopologyError as e:
+                raise UsageError(str(e)) from None
+        elif k == "loss":
+            out["loss_ppm"] = parse_loss(v)
+        elif k in ("blackhole", "ecn", "trim"):
+            out[k] = _onoff(v, k)
+        elif k == "flap":
+            out["flap_period_ms"] = parse_period_ms(v)
+        elif k in ("ecn_bytes", "trim_bytes", "drop_bytes"):
+            out[k] = _bytes(v, k)
+        else:
+            raise UsageError("link set: unknown setting %r (rate, loss, blackhole, flap, ecn, trim, "
+                             "ecn_bytes, trim_bytes, drop_bytes)" % k)
+    return out
+
+
+# ---------------------------------------------------------------- output
+def _faults(l: dict) -> str:
+    f = []
+    if l["blackhole"]:
+        f.append("BLACKHOLE")
+    if l["loss_ppm"]:
+        f.append("loss %g%%" % (l["loss_ppm"] / 10_000))
+    if l["flap_period_ms"]:
+        f.append("flap %gs" % (l["flap_period_ms"] / 1000))
+    return ",".join(f) or "-"
+
+
+def format_status(s: dict) -> str:
+    out = ["lab %r: %s%s" % (s["prefix"], s["topology"],
+                             "  (up in %.1fs)" % s["up_s"] if s.get("up_s") else "")]
+    hosts = [n for n in s["nodes"] if n["kind"] == "host"]
+    sw = [n for n in s["nodes"] if n["kind"] != "host"]
+    out.append("hosts:")
+    for n in hosts:
+        loc = ("  locators " + " ".join(n["locators"])) if n["locators"] else ""
+        out.append("  %-8s netns %-14s MRC %s  T0 %d%s%s" % (n["name"], n["netns"], n["addr"], n["t0"],
+                                                         loc, "" if n["exists"] else "  [MISSING]"))
+    out.append("switches: " + " ".join(n["name"] + ("" if n["exists"] else "[MISSING]") for n in sw))
+    out.append("links (FROM>TO, modelled at TO's port; `lab link set h0-p0t0s0 ...` sets both "
+               "directions, `h0>p0t0s0` one):")
+    hdr = "  %-18s %-9s %-4s %-14s %10s %10s %8s %8s %8s %8s" % (
+        "link", "rate", "ecn", "faults", "pkts", "mrc", "marked", "trimmed", "dropped", "backlog")
+    out.append(hdr)
+    for l in s["links"]:
+        c = l["counters"]
+        drops = sum(v for k, v in c.items() if k.startswith("drop_"))
+        out.append("  %-18s %-9s %-4s %-14s %10d %10d %8d %8d %8d %8d" % (
+            l["name"], format_rate(l["rate_bps"]), "on" if l["ecn"] else "off", _faults(l),
+            c["pkts"], c["mrc_pkts"], c["marked"], c["trimmed"], drops, l["backlog"]))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- handlers
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_up(args) -> int:
+    fabric.require_root()
+    topo = topomod.load(args.topology, mode=args.mode)
+    try:
+        hook = None if args.no_hosts else _hosts_hook()
+        st = fabric.up(topo, prefix=args.prefix, progress=_progress, hosts_hook=hook)
+    except fabric.LabAlreadyUp as e:
+        st = e.state
+        print("lab %r is already up (%s mode, %d nodes, since %s): `mrc-xdp lab status` shows it"
+              % (st["prefix"], st["mode"], len(st["nodes"]), _when(st.get("started"))))
+        return 0
+    return 0
+
+
+def _when(ts) -> str:
+    import time
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "?"
+
+
+def _hosts_hook():
+    try:
+        from . import hosts
+    except ImportError:
+        return None
+    return getattr(hosts, "fabric_hook", None)
+
+
+def _unload_hook():
+    try:
+        from . import hosts
+    except ImportError:
+        return None
+    return getattr(hosts, "unload_all", None)
+
+
+def cmd_down(args) -> int:
+    res = fabric.down(args.prefix, progress=_progress, unload_hosts=_unload_hook())
+    if not (res["netns"] or res["pins"] or res["state_file"]):
+        print("lab %r was not up: nothing to remove" % args.prefix)
+    return 0
+
+
+def cmd_status(args) -> int:
+    s = status(args.prefix)
+    if args.json:
+        print(json.dumps(s, indent=1))
+    else:
+        print(format_status(s))
+    return 0
+
+
+def cmd_exec(args) -> int:
+    st = fabric.load_state(args.prefix)
+    if args.node not in st["nodes"]:
+        raise UsageError("no node %r (nodes: %s)" % (args.node, ", ".join(st["nodes"])))
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        cmd = [os.environ.get("SHELL", "/bin/sh")]
+    from .. import netns
+    ns = st["nodes"][args.node]
+    if not netns.exists(ns):
+        raise fabric.LabNotUp("netns %s is gone: run `mrc-xdp lab down` and `up` again" % ns)
+    fd = netns.open_fd(ns)
+    try:
+        # setns the whole (single-threaded) process, then exec: /sys stays as it is,
+        # so pinned BPF maps remain visible to the command
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, netns.CLONE_NEWNET) != 0:
+            raise fabric.LabError("setns %s: %s" % (ns, os.strerror(ctypes.get_errno())))
+    finally:
+        os.close(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        raise fabric.LabError("%s: %s" % (cmd[0], e.strerror)) from None
+
+
+def cmd_link_set(args) -> int:
+    changes = parse_settings(args.settings)
+    names = set_link(args.prefix, args.link, **changes)
+    print("%s: %s" % (", ".join(names), " ".join("%s=%s" % kv for kv in changes.items())))
+    return 0
+
+
+def cmd_fail(args) -> int:
+    names = fail(args.prefix, args.target)
+    print("failed %s: blackholed %s" % (args.target, ", ".join(names)))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    names = heal(args.prefix, args.target)
+    print("healed %s (%d link ends)" % (args.target or "everything", len(names)))
+    return 0
+
+
+def _guard(fn):
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (fabric.LabError, topomod.TopologyError, lmod.LinkModelError) as e:
+            print("mrc-xdp lab: %s" % e, file=sys.stderr)
+            return 1
+        except KeyError as e:
+            print("mrc-xdp lab: %s" % (e.args[0] if e.args else e), file=sys.stderr)
+            return 1
+        except PermissionError as e:
+            print("mrc-xdp lab: %s: run as root" % e, file=sys.stderr)
+            return 1
+        except OSError as e:
+            print("mrc-xdp lab: %s" % e, file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("mrc-xdp lab: interrupted (`mrc-xdp lab down` removes a half-built lab)",
+                  file=sys.stderr)
+            return 130
+    run.__name__ = fn.__name__
+    return run
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `lab` and its subcommands to the main CLI's subparsers."""
+    lab = subparsers.add_parser("lab", help="multi-plane fabric of network namespaces",
+                                description=__doc__.split("\n\n")[0])
+    sub = lab.add_subparsers(dest="lab_cmd", metavar="COMMAND")
+    sub.required = True
+
+    def common(p):
+        p.add_argument("--prefix", default=default_prefix(),
+                       help="lab name prefix for namespaces and pins (default %(default)s; env "
+                            + ENV_PREFIX + ")")
+        return p
+
+    p = common(sub.add_parser("up", help="build the lab (idempotent)"))
+    p.add_argument("--topology", "-t", metavar="FILE", help="topology TOML (default: the packaged default.toml)")
+    p.add_argument("--mode", choices=("srv6", "ecmp"), help="override the topology's mode")
+    p.add_argument("--no-hosts", action="store_true", help="fabric only: do not load the host datapaths")
+    p.set_defaults(func=_guard(cmd_up))
+
+    p = common(sub.add_parser("down", help="remove everything of the lab (also after a crash)"))
+    p.set_defaults(func=_guard(cmd_down))
+
+    p = common(sub.add_parser("status", help="nodes, links, per-link counters"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guard(cmd_status))
+
+    p = common(sub.add_parser("exec", help="run a command in a node's namespace: exec NODE -- CMD"))
+    p.add_argument("node")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_guard(cmd_exec))
+
+    lk = sub.add_parser("link", help="link model settings")
+    lsub = lk.add_subparsers(dest="link_cmd", metavar="COMMAND")
+    lsub.required = True
+    p = common(lsub.add_parser("set", help="link set LINK [rate R] [loss P] [blackhole on|off] [flap PERIOD] ..."))
+    p.add_argument("link", help="a-b (both directions) or a>b (one)")
+    p.add_argument("settings", nargs="+", metavar="KEY VALUE")
+    p.set_defaults(func=_guard(cmd_link_set))
+
+    p = common(sub.add_parser("fail", help="fail a node (all its links) or a link (blackhole)"))
+    p.add_argument("target", metavar="NODE|LINK")
+    p.set_defaults(func=_guard(cmd_fail))
+
+    p = common(sub.add_parser("heal", help="clear faults of a node, a link, or everything"))
+    p.add_argument("target", nargs="?", metavar="NODE|LINK")
+    p.set_defaults(func=_guard(cmd_heal))
+    return lab
+
+
+def main(argv=None) -> int:
+    """Standalone entry (python -m mrc_xdp.lab.cli ...), for when the main CLI is absent."""
+    ap = argparse.ArgumentParser(prog="mrc-xdp")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+    add_parser(sub)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

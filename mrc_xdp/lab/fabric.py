@@ -1,0 +1,424 @@
+"""Build and tear down a lab fabric of network namespaces.
+
+One netns per node, named ``<prefix><node>`` (default prefix ``mrc-``: mrc-h0,
+mrc-p0t0s0, mrc-p0t1s1, ...).  Every link is a veth pair created directly in its two
+namespaces with a deterministic MAC and an ifindex from a lab-owned range, unique across
+the lab, so one link-model program and one map keyed by ifindex serve every link end.
+
+Switches forward with the kernel and static tables only: in srv6 mode uN (seg6local End,
+next-csid, 32-bit block, 16-bit uSIDs) plus /48 routes to the next uSIDs; in ecmp mode
+/128 routes to every host's MRC address, multipath towards the T1s, L4 hash.  Neighbour
+entries are static, so no packet waits on NDP.
+
+State: /run/mrc-xdp/lab-<prefix>.json (for status/down from another process); link
+model pins under /sys/fs/bpf/mrc/lab-<prefix>/.  ``down`` removes everything it finds by
+prefix, so it also cleans a lab whose ``up`` was killed midway.
+
+    state = fabric.up(topology.load(), prefix="mrc-", progress=print)
+    fabric.down("mrc-")
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+
+from .. import netns
+from . import linkmodel as lmod
+from .topology import Topology, from_dict
+
+STATE_DIR = "/run/mrc-xdp"
+DEFAULT_PREFIX = "mrc-"
+_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,16}$")
+
+
+class LabError(RuntimeError):
+    """A lab operation failed; str() is one line saying what and what to do."""
+
+
+class LabNotUp(LabError):
+    pass
+
+
+class LabAlreadyUp(LabError):
+    def __init__(self, state: dict):
+        super().__init__("lab %r is already up (%d nodes); `mrc-xdp lab down --prefix %s` first"
+                         % (state["prefix"], len(state["nodes"]), state["prefix"]))
+        self.state = state
+
+
+def check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        raise LabError("prefix %r: use 1-16 characters of [A-Za-z0-9_.-]" % (prefix,))
+    return prefix
+
+
+def state_path(prefix: str) -> str:
+    return os.path.join(STATE_DIR, "lab-%s.json" % prefix)
+
+
+def pin_dir(prefix: str) -> str:
+    return os.path.join(lmod.PIN_ROOT, "lab-%s" % prefix)
+
+
+def ns_name(prefix: str, node: str) -> str:
+    return prefix + node
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (network namespaces, XDP, BPF pins): run with sudo")
+
+
+# ---------------------------------------------------------------- state
+def load_state(prefix: str) -> dict:
+    try:
+        with open(state_path(prefix)) as f:
+            st = json.load(f)
+    except FileNotFoundError:
+        raise LabNotUp("lab %r is not up (no %s): run `mrc-xdp lab up`"
+                       % (prefix, state_path(prefix))) from None
+    except ValueError:
+        raise LabNotUp("lab %r: state file %s is damaged: run `mrc-xdp lab down --prefix %s`"
+                       % (prefix, state_path(prefix), prefix)) from None
+    return st
+
+
+def topology_of(state: dict) -> Topology:
+    return from_dict(state["topology"], source=state.get("topology_source", ""))
+
+
+def _write_state(state: dict) -> None:
+    os.makedirs(STATE_DIR, exist_ok=True)
+    tmp = state_path(state["prefix"]) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, state_path(state["prefix"]))
+
+
+def running(prefix: str) -> dict | None:
+    """The state of a complete running lab, or None."""
+    try:
+        st = load_state(prefix)
+    except LabNotUp:
+        return None
+    if not st.get("complete"):
+        return None
+    if any(not netns.exists(ns) for ns in st["nodes"].values()):
+        return None
+    return st
+
+
+# ---------------------------------------------------------------- netlink helpers
+def _create_veth(ipr, name: str, ifindex: int, mac: str, mtu: int,
+                 peer_name: str, peer_ifindex: int, peer_mac: str, peer_ns_fd: int | None) -> None:
+    """A veth pair with both ifindexes chosen; the peer created in another netns."""
+    from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
+    from pyroute2.netlink.rtnl import RTM_NEWLINK
+    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
+    peer_attrs = [("IFLA_IFNAME", peer_name), ("IFLA_ADDRESS", peer_mac), ("IFLA_MTU", mtu)]
+    if peer_ns_fd is not None:
+        peer_attrs.append(("IFLA_NET_NS_FD", peer_ns_fd))
+    msg = ifinfmsg()
+    msg["index"] = ifindex
+    msg["attrs"] = [
+        ("IFLA_IFNAME", name), ("IFLA_ADDRESS", mac), ("IFLA_MTU", mtu),
+        ("IFLA_LINKINFO", {"attrs": [
+            ("IFLA_INFO_KIND", "veth"),
+            ("IFLA_INFO_DATA", {"attrs": [
+                ("VETH_INFO_PEER", {"index": peer_ifindex, "attrs": peer_attrs})]})]})]
+    ipr.nlm_request(msg, msg_type=RTM_NEWLINK,
+                    msg_flags=NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL)
+
+
+_NS_SYSCTLS_COMMON = [
+    ("net.ipv6.conf.all.accept_dad", 0), ("net.ipv6.conf.default.accept_dad", 0),
+    ("net.ipv6.conf.all.accept_ra", 0), ("net.ipv6.conf.default.accept_ra", 0),
+    ("net.ipv6.conf.all.router_solicitations", 0), ("net.ipv6.conf.default.router_solicitations", 0),
+    # no link-local addresses: no NDP, RS or MLD chatter on the fabric (neighbours are static)
+    ("net.ipv6.conf.default.addr_gen_mode", 1),
+]
+_NS_SYSCTLS_SWITCH = [
+    ("net.ipv6.conf.all.forwarding", 1), ("net.ipv6.conf.default.forwarding", 1),
+    ("net.ipv6.conf.all.seg6_enabled", 1), ("net.ipv6.conf.default.seg6_enabled", 1),
+    ("net.ipv6.fib_multipath_hash_policy", 1),
+    ("net.ipv6.conf.all.ignore_routes_with_linkdown", 1),
+]
+
+
+def _write_sysctls(pairs) -> None:
+    for k, v in pairs:
+        with open("/proc/sys/" + k.replace(".", "/"), "w") as f:
+            f.write(str(v))
+
+
+# ---------------------------------------------------------------- tables
+def _batch(topo: Topology, node: str) -> list[str]:
+    """`ip -batch` lines (routes, neighbours) for one node."""
+    n = topo.nodes[node]
+    out: list[str] = []
+    for p in n.ports:                     # static neighbours for every link peer
+        out.append("neigh replace %s lladdr %s dev %s nud permanent"
+                   % (p.peer.addr, p.peer.mac, p.ifname))
+    if n.kind == "host":
+        h = topo.host(node)
+        fab_mac = _mrc0p_mac(h)
+        for other in topo.hosts:          # kernel UDP fallback: peers via mrc0 -> mrc0p
+            if other.name != node:
+                out.append("neigh replace %s lladdr %s dev mrc0 nud permanent" % (other.addr, fab_mac))
+        return out
+    port = {p.peer.node: p for p in n.ports}
+    if topo.mode == "srv6":
+        blk = topo.usid_addr
+        # (not `dev lo`: the kernel turns routes via loopback into reject routes)
+        out.append("route replace %s/48 encap seg6local action End flavors next-csid "
+                   "lblen 32 nflen 16 dev %s" % (blk([n.usid()]), n.ports[0].ifname))
+        for p in n.ports:
+            peer = topo.nodes[p.peer.node]
+            u = peer.usid(n.plane) if peer.kind == "host" else peer.usid()
+            out.append("route replace %s/48 via %s dev %s" % (blk([u]), p.peer.addr, p.ifname))
+        return out
+    for h in topo.hosts:                  # ecmp
+        if n.kind == "t0":
+            if h.t0 == n.index:
+                p = port[h.name]
+                out.append("route replace %s/128 via %s dev %s" % (h.addr, p.peer.addr, p.ifname))
+            else:
+                hops = " ".join("nexthop via %s dev %s" % (port[topo.t1_name(n.plane, j)].peer.addr,
+                                                           port[topo.t1_name(n.plane, j)].ifname)
+                                for j in range(topo.t1_per_plane))
+                out.append("route replace %s/128 %s" % (h.addr, hops))
+        else:
+            p = port[topo.t0_name(n.plane, h.t0)]
+            out.append("route replace %s/128 via %s dev %s" % (h.addr, p.peer.addr, p.ifname))
+    return out
+
+
+def _mrc0_mac(h) -> str:
+    from .topology import mac_of
+    return mac_of(h.app_ifindex)
+
+
+def _mrc0p_mac(h) -> str:
+    from .topology import mac_of
+    return mac_of(h.fab_ifindex)
+
+
+def link_model_cfg(topo: Topology, rx_node: str, link) -> dict:
+    """The default link-model config of the link end received at rx_node."""
+    lm = topo.linkmodel
+    last_hop = topo.nodes[rx_node].kind == "host"
+    return dict(rate_bps=link.rate_bps, ecn_bytes=lm.ecn_bytes, trim_bytes=lm.trim_bytes,
+                drop_bytes=lm.drop_bytes, dscp_trimmed=lm.dscp_trimmed, dscp_ctrl=lm.dscp_ctrl,
+                udp_port=lm.udp_port, ecn=not last_hop, trim=True)
+
+
+# ---------------------------------------------------------------- up
+def _noop(msg: str) -> None:
+    pass
+
+
+def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=None) -> dict:
+    """Build the lab; returns its state.  Raises LabAlreadyUp if it is running.
+
+    hosts_hook(topo, prefix, state, progress), when given, runs after the fabric is up
+    (phase 2: load each host's datapath); its return value is stored as state["hosts"].
+    """
+    require_root()
+    check_prefix(prefix)
+    st = running(prefix)
+    if st:
+        raise LabAlreadyUp(st)
+    t_start = time.monotonic()
+    leftovers = netns.list_names(prefix)
+    if leftovers or os.path.exists(state_path(prefix)) or os.path.exists(pin_dir(prefix)):
+        progress("cleaning up the leftovers of an earlier lab %r" % prefix)
+        down(prefix)
+
+    # the link model compiles (bcc, ~1.5 s) while the namespaces are built
+    compiled: dict = {}
+
+    def _compile():
+        try:
+            compiled["v"] = lmod.compile_program()
+        except BaseException as e:  # reported below
+            compiled["e"] = e
+    th = threading.Thread(target=_compile, name="linkmodel-compile", daemon=True)
+    th.start()
+    lmod.ensure_bpffs()
+
+    nodes = {n: ns_name(prefix, n) for n in topo.nodes}
+    state = {
+        "prefix": prefix, "complete": False, "mode": topo.mode,
+        "topology": topo.to_dict(), "topology_source": topo.source,
+        "nodes": nodes, "pin_dir": pin_dir(prefix), "state_file": state_path(prefix),
+        "started": time.time(),
+    }
+    _write_state(state)        # first, so `down` knows about a half-built lab
+    progress("%s" % topo.summary())
+
+    iprs: dict[str, object] = {}
+    fds: dict[str, int] = {}
+    try:
+        from pyroute2 import IPRoute
+        t = time.monotonic()
+        for node, ns in nodes.items():
+            netns.create(ns)
+            fds[node] = netns.open_fd(ns)
+            with netns.enter(ns):
+                _write_sysctls(_NS_SYSCTLS_COMMON)
+                if topo.nodes[node].kind != "host":
+                    _write_sysctls(_NS_SYSCTLS_SWITCH)
+                iprs[node] = IPRoute()
+        progress("  %d namespaces (%s*)  %.2fs" % (len(nodes), prefix, time.monotonic() - t))
+
+        t = time.monotonic()
+        for lk in topo.links:
+            a, b = lk.a, lk.b
+            _create_veth(iprs[a.node], a.ifname, a.ifindex, a.mac, topo.mtu,
+                         b.ifname, b.ifindex, b.mac, fds[b.node])
+        for h in topo.hosts:
+            _create_veth(iprs[h.name], "mrc0", h.app_ifindex, _mrc0_mac(h), topo.app_mtu,
+                         "mrc0p", h.fab_ifindex, _mrc0p_mac(h), None)
+        for node, n in topo.nodes.items():
+            ipr = iprs[node]
+            lo = ipr.link_lookup(ifname="lo")[0]
+            ipr.link("set", index=lo, state="up")
+            for p in n.ports:
+                ipr.addr("add", index=p.ifindex, address=p.addr, prefixlen=64)
+                ipr.link("set", index=p.ifindex, state="up")
+            if n.kind == "host":
+                h = topo.host(node)
+                ipr.addr("add", index=h.app_ifindex, address=h.addr, prefixlen=64)
+                ipr.link("set", index=h.fab_ifindex, state="up")
+                ipr.link("set", index=h.app_ifindex, state="up")
+        progress("  %d links (veth, ifindex %d..%d), addresses  %.2fs"
+                 % (len(topo.links), topo.links[0].a.ifindex, topo.hosts[-1].fab_ifindex,
+                    time.monotonic() - t))
+
+        t = time.monotonic()
+        procs = []
+        for node, ns in nodes.items():
+            lines = _batch(topo, node)
+            if lines:
+                p = subprocess.Popen(["ip", "-n", ns, "-batch", "-"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                procs.append((node, p, "\n".join(lines) + "\n"))
+        for node, p, text in procs:
+            _, err = p.communicate(text, timeout=30)
+            if p.returncode:
+                raise LabError("%s: routes failed: %s" % (node, err.strip().splitlines()[-1] if err.strip() else p.returncode))
+        progress("  static routes and neighbours (%s mode)  %.2fs" % (topo.mode, time.monotonic() - t))
+
+        t = time.monotonic()
+        th.join()
+        if "e" in compiled:
+            raise LabError("link model: %s" % compiled["e"])
+        lm = lmod.LinkModel.load(compiled["v"])
+        lm.pin(pin_dir(prefix))
+        ends = []
+        for name, rx, tx, lk in topo.link_ends():
+            lm.set(rx.ifindex, link_model_cfg(topo, rx.node, lk))
+            lmod.xdp_attach(rx.ifindex, lm.prog_fd, netns_name=nodes[rx.node])
+            ends.append(name)
+        progress("  link model on %d link ends (compile overlapped)  %.2fs"
+                 % (len(ends), time.monotonic() - t))
+        lm.close()
+
+        state["complete"] = True
+        state["fabric_s"] = round(time.monotonic() - t_start, 3)
+        if hosts_hook is not None:
+            t = time.monotonic()
+            state["hosts"] = hosts_hook(topo, prefix, state, progress)
+            progress("  host datapaths  %.2fs" % (time.monotonic() - t))
+        state["up_s"] = round(time.monotonic() - t_start, 3)
+        _write_state(state)
+        progress("lab %r up in %.1fs" % (prefix, state["up_s"]))
+        return state
+    except BaseException:
+        progress("lab up failed: removing what was built")
+        for ipr in iprs.values():
+            with contextlib.suppress(Exception):
+                ipr.close()
+        iprs.clear()
+        with contextlib.suppress(Exception):
+            down(prefix)
+        raise
+    finally:
+        for ipr in iprs.values():
+            with contextlib.suppress(Exception):
+                ipr.close()
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+# ---------------------------------------------------------------- down
+def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dict:
+    """Remove every namespace, pin and state file of the lab `prefix` (found by prefix,
+    so a half-built or crashed lab goes too).  Returns what was removed."""
+    require_root()
+    check_prefix(prefix)
+    t = time.monotonic()
+    names: set[str] = set()
+    try:
+        st = load_state(prefix)
+        names.update(st.get("nodes", {}).values())
+    except LabNotUp:
+        st = None
+    if unload_hosts is not None and st is not None:
+        with contextlib.suppress(Exception):
+            unload_hosts(st)
+    found = netns.list_names(prefix)
+    # only names this lab could have made: <prefix><node>
+    names.update(n for n in found if _is_lab_node(n[len(prefix):]))
+    removed_ns = [n for n in sorted(names) if netns.delete(n)]
+    pins = []
+    for d in _pin_dirs(prefix, names):
+        if os.path.isdir(d):
+            shutil.rmtree(d, ignore_errors=True)
+            pins.append(d)
+    had_state = False
+    for p in (state_path(prefix), state_path(prefix) + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            had_state = True
+    res = {"prefix": prefix, "netns": removed_ns, "pins": pins, "state_file": had_state,
+           "down_s": round(time.monotonic() - t, 3)}
+    progress("lab %r down: %d namespaces, %d pin dirs removed in %.2fs"
+             % (prefix, len(removed_ns), len(pins), res["down_s"]))
+    return res
+
+
+_NODE = re.compile(r"^(p\d+t[01]s\d+|[a-z0-9_]{1,8})$")
+
+
+def _is_lab_node(node: str) -> bool:
+    return bool(_NODE.match(node))
+
+
+def _pin_dirs(prefix: str, ns_names) -> list[str]:
+    """The link model's pin dir and the host datapath instances' (<prefix><host>)."""
+    out = [pin_dir(prefix)]
+    for n in sorted(ns_names):
+        out.append(os.path.join(lmod.PIN_ROOT, n))
+    return out
+
+
+def leftovers(prefix: str) -> dict:
+    """What of lab `prefix` exists right now (tests assert this is empty after down)."""
+    ns = netns.list_names(prefix)
+    ns = [n for n in ns if _is_lab_node(n[len(prefix):])]
+    pins = [d for d in _pin_dirs(prefix, ns) if os.path.exists(d)]
+    if os.path.isdir(lmod.PIN_ROOT):
+        pins += [os.path.join(lmod.PIN_ROOT, d) for d in os.listdir(lmod.PIN_ROOT)
+                 if (d == "lab-" + prefix or (d.startswith(prefix) and _is_lab_node(d[len(prefix):])))
+                 and os.path.join(lmod.PIN_ROOT, d) not in pins]
+    return {"netns": ns, "pins": pins,
+            "state_file": [state_path(prefix)] if os.path.exists(state_path(prefix)) else []}
