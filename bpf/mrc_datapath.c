@@ -164,8 +164,8 @@ int mrc_spray(struct xdp_md *ctx)
 
 		k = c->tmpl;
 		t = mrc_srv6.lookup(&k);
-		if (!t || srv6_encap(ctx, t, pl, plane, e->t1, cfg->hop_limit)) {
-			ctr_inc(MRC_C_SPRAY_NO_PORT);
+		if (!t || !t->n_usid || srv6_encap(ctx, t, pl, plane, e->t1, cfg->hop_limit)) {
+			ctr_inc(MRC_C_SPRAY_NO_TMPL);
 			return XDP_DROP;
 		}
 		ctr_inc(MRC_C_SPRAY_SRV6_ENCAP);

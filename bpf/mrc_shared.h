@@ -276,6 +276,7 @@ enum mrc_ctr {
 	MRC_C_SPRAY_NO_EV,          /* no usable EV: dropped */
 	MRC_C_SPRAY_NO_PORT,        /* plane has no NIC: dropped */
 	MRC_C_SPRAY_SRV6_ENCAP,
+	MRC_C_SPRAY_NO_TMPL,        /* SRv6: connection's template missing or encap failed: dropped */
 	MRC_C_SPRAY_ICRC_FIX,
 	MRC_C_SPRAY_CSUM_FIX,
 	MRC_C_SPRAY_SKIP,           /* SKIP EV passed over (and returned to GOOD) */
