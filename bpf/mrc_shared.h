@@ -328,7 +328,7 @@ enum mrc_ctr {
 #define MRC_LMAP_STATS   mrc_lstats    /* PERCPU_HASH ifindex -> struct mrc_link_ctr */
 #define MRC_LMAP_NEXT    mrc_lnext     /* PROG_ARRAY[MRC_LNEXT_MAX]: run after the model */
 #define MRC_PROG_LINK    mrc_link
-#define MRC_LNEXT_MAX    64
+#define MRC_LNEXT_MAX    2048          /* host index * planes + plane: 250 hosts x 8 planes */
 
 #define MRC_LF_ECN       1             /* mark CE above ecn_bytes (off on the last hop) */
 #define MRC_LF_TRIM      2             /* trim MRC data above trim_bytes */

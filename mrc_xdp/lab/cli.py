@@ -385,6 +385,19 @@ def _guard(fn):
     return run
 
 
+def _set_handler(p, fn) -> None:
+    """func: returns the exit code (our main); fn: for the main CLI, which ignores return
+    values, so a failure exits non-zero after its one-line message."""
+    guarded = _guard(fn)
+
+    def exiting(args):
+        rc = guarded(args)
+        if rc:
+            raise SystemExit(rc)
+        return rc
+    p.set_defaults(func=guarded, fn=exiting)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add `lab` and its subcommands to the main CLI's subparsers."""
     lab = subparsers.add_parser("lab", help="multi-plane fabric of network namespaces",
@@ -402,19 +415,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--topology", "-t", metavar="FILE", help="topology TOML (default: the packaged default.toml)")
     p.add_argument("--mode", choices=("srv6", "ecmp"), help="override the topology's mode")
     p.add_argument("--no-hosts", action="store_true", help="fabric only: do not load the host datapaths")
-    p.set_defaults(func=_guard(cmd_up))
+    _set_handler(p, cmd_up)
 
     p = common(sub.add_parser("down", help="remove everything of the lab (also after a crash)"))
-    p.set_defaults(func=_guard(cmd_down))
+    _set_handler(p, cmd_down)
 
     p = common(sub.add_parser("status", help="nodes, links, per-link counters"))
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_guard(cmd_status))
+    _set_handler(p, cmd_status)
 
     p = common(sub.add_parser("exec", help="run a command in a node's namespace: exec NODE -- CMD"))
     p.add_argument("node")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_guard(cmd_exec))
+    _set_handler(p, cmd_exec)
 
     lk = sub.add_parser("link", help="link model settings")
     lsub = lk.add_subparsers(dest="link_cmd", metavar="COMMAND")
@@ -422,15 +435,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = common(lsub.add_parser("set", help="link set LINK [rate R] [loss P] [blackhole on|off] [flap PERIOD] ..."))
     p.add_argument("link", help="a-b (both directions) or a>b (one)")
     p.add_argument("settings", nargs="+", metavar="KEY VALUE")
-    p.set_defaults(func=_guard(cmd_link_set))
+    _set_handler(p, cmd_link_set)
 
     p = common(sub.add_parser("fail", help="fail a node (all its links) or a link (blackhole)"))
     p.add_argument("target", metavar="NODE|LINK")
-    p.set_defaults(func=_guard(cmd_fail))
+    _set_handler(p, cmd_fail)
 
     p = common(sub.add_parser("heal", help="clear faults of a node, a link, or everything"))
     p.add_argument("target", nargs="?", metavar="NODE|LINK")
-    p.set_defaults(func=_guard(cmd_heal))
+    _set_handler(p, cmd_heal)
     return lab
 
 

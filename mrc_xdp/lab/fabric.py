@@ -385,6 +385,9 @@ def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dic
             shutil.rmtree(d, ignore_errors=True)
             pins.append(d)
     had_state = False
+    for n in sorted(names):            # host datapath instances' state (loader)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(STATE_DIR, n + ".json"))
     for p in (state_path(prefix), state_path(prefix) + ".tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
@@ -420,5 +423,8 @@ def leftovers(prefix: str) -> dict:
         pins += [os.path.join(lmod.PIN_ROOT, d) for d in os.listdir(lmod.PIN_ROOT)
                  if (d == "lab-" + prefix or (d.startswith(prefix) and _is_lab_node(d[len(prefix):])))
                  and os.path.join(lmod.PIN_ROOT, d) not in pins]
-    return {"netns": ns, "pins": pins,
-            "state_file": [state_path(prefix)] if os.path.exists(state_path(prefix)) else []}
+    files = [state_path(prefix)] + [os.path.join(STATE_DIR, n + ".json") for n in ns]
+    if os.path.isdir(STATE_DIR):
+        files += [os.path.join(STATE_DIR, f) for f in os.listdir(STATE_DIR)
+                  if f.startswith(prefix) and f.endswith(".json") and _is_lab_node(f[len(prefix):-5])]
+    return {"netns": ns, "pins": pins, "state_file": sorted({f for f in files if os.path.exists(f)})}

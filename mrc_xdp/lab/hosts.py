@@ -1,0 +1,174 @@
+"""Lab hosts: each host's datapath config generated from the topology, and loading it.
+
+``host_configs(topo, prefix)`` gives one validated ``HostConfig`` per host:
+
+- instance ``<prefix><host>`` (pins under /sys/fs/bpf/mrc/<prefix><host>/);
+- one plane per topology plane: dev ``p<n>``, gateway_mac = the MAC of the T0 port the
+  NIC is cabled to; in srv6 mode srv6_src = local_sid = the host's locator on that plane
+  (``<block>:<host uSID with plane bits>::``);
+- one connection per other host, QPNs derived from the pair: the QP that host a keeps
+  for peer b is ``qpn(a, b) = (a+1) << 8 | (b+1)`` (host numbers), so a's local_qpn is
+  b's remote_qpn and back; t1s = t1_per_plane (EVs cycle over every T1 of every plane);
+- srv6 mode: one row template per destination, named after it: uSIDs
+  [T0src, T1, T0dst, host] (plane bits and T1 index zero; t1_pos 1), or [T0, host] for
+  a destination on the same T0 (t1_pos -1).
+
+``fabric_hook`` is what ``lab up`` runs after the fabric: it loads every host's datapath
+with ``mrc_xdp.loader`` inside the host's netns, then puts the link model back in front
+of the datapath's ingress on each plane NIC: the link model stays attached and
+tail-calls the ingress program (mrc_lnext), so the last hop to a host is modelled too.
+"""
+from __future__ import annotations
+
+import os
+
+from ..config import HostConfig
+from . import linkmodel as lmod
+from .topology import Topology
+
+EV_PER_PLANE = 8          # active EVs per plane per connection (a multiple of t1_per_plane is best)
+BACKUP_PER_PLANE = 4
+
+
+def qpn(a: int, b: int) -> int:
+    """The QPN host number a uses for its connection to host number b."""
+    return ((a + 1) << 8) | (b + 1)
+
+
+def instance_name(prefix: str, host: str) -> str:
+    return prefix + host
+
+
+def host_config_dict(topo: Topology, prefix: str, host: str, ev_per_plane: int = EV_PER_PLANE,
+                     backup_per_plane: int = BACKUP_PER_PLANE) -> dict:
+    me = topo.host(host)
+    d: dict = {
+        "instance": instance_name(prefix, host),
+        "mode": topo.mode,
+        "local_addr": me.addr,
+        "app_dev": "mrc0",
+        "fabric_dev": "mrc0p",
+        "udp_port": topo.linkmodel.udp_port,
+        "dscp": {"ctrl": topo.linkmodel.dscp_ctrl},
+        "planes": [],
+        "connections": [],
+    }
+    for p in range(topo.planes):
+        pl = {"dev": "p%d" % p, "gateway_mac": topo.gateway(host, p).mac}
+        if topo.mode == "srv6":
+            loc = topo.host_locator(host, p)
+            pl.update(srv6_src=loc, local_sid=loc)
+        d["planes"].append(pl)
+    tmpls = {}
+    for other in topo.hosts:
+        if other.name == host:
+            continue
+        c = {"name": other.name, "peer": other.addr,
+             "local_qpn": qpn(me.index, other.index), "remote_qpn": qpn(other.index, me.index),
+             "ev_per_plane": ev_per_plane, "backup_per_plane": backup_per_plane,
+             "t1s": topo.t1_per_plane if other.t0 != me.t0 else 1}
+        if topo.mode == "srv6":
+            c["template"] = other.name
+            tmpls[other.name] = {"block": str(topo.block.network_address),
+                                 "usids": topo.srv6_usids(host, other.name),
+                                 "t1_pos": topo.t1_pos(host, other.name),
+                                 "plane_shift": 12, "t1_shift": 0}
+        d["connections"].append(c)
+    if tmpls:
+        d["srv6_templates"] = tmpls
+    return d
+
+
+def host_configs(topo: Topology, prefix: str, **kw) -> dict[str, HostConfig]:
+    """One validated HostConfig per lab host, keyed by host name."""
+    return {h.name: HostConfig.from_dict(host_config_dict(topo, prefix, h.name, **kw))
+            for h in topo.hosts}
+
+
+def next_slot(topo: Topology, host: str, plane: int) -> int:
+    """mrc_lnext slot of a host plane NIC's datapath ingress."""
+    return topo.host(host).index * topo.planes + plane
+
+
+def chain_ingress(topo: Topology, prefix: str, host: str, lm: "lmod.LinkModel") -> None:
+    """Link model first on the host's plane NICs, then (tail call) the datapath's ingress."""
+    from ..maps import pin_dir as dp_pin_dir
+    from .. import bpfsys
+    fd = bpfsys.obj_get(os.path.join(dp_pin_dir(instance_name(prefix, host)), "prog_ingress"))
+    try:
+        for p in range(topo.planes):
+            port = topo.port(host, "p%d" % p)
+            lm.set_next(port.ifindex, next_slot(topo, host, p), fd)
+            lmod.xdp_attach(port.ifindex, lm.prog_fd, netns_name=prefix + host)
+    finally:
+        os.close(fd)
+
+
+def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm) -> dict:
+    from .. import loader
+    st = loader.load(cfg, netns_name=prefix + host, force=True)
+    chain_ingress(topo, prefix, host, lm)
+    return {"instance": cfg.instance, "load_s": st.get("load_seconds"),
+            "connections": len(cfg.connections)}
+
+
+def _load_some(topo, prefix, names, cfgs, pin_dir, conn):
+    """Worker process: load some hosts, report through a pipe."""
+    out = {}
+    try:
+        lm = lmod.LinkModel.open(pin_dir)
+        for n in names:
+            out[n] = load_host(topo, prefix, n, cfgs[n], lm)
+        lm.close()
+        conn.send(("ok", out))
+    except BaseException as e:  # reported by the parent as one line
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+    finally:
+        conn.close()
+
+
+def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int | None = None) -> dict:
+    """Load every host's datapath (in parallel worker processes: each bcc compile is
+    ~1.5 s of one CPU).  Returns {host: {instance, load_s, connections}}."""
+    import multiprocessing as mp
+    from .fabric import LabError
+    cfgs = host_configs(topo, prefix)
+    names = [h.name for h in topo.hosts]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(names)))
+    groups = [names[i::workers] for i in range(workers)]
+    ctx = mp.get_context("fork")
+    procs = []
+    for g in groups:
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_load_some, args=(topo, prefix, g, cfgs, state["pin_dir"], w),
+                        daemon=True)
+        p.start()
+        w.close()
+        procs.append((g, p, r))
+    result, errors = {}, []
+    for g, p, r in procs:
+        try:
+            kind, val = r.recv()
+        except EOFError:
+            kind, val = "error", "worker for %s died" % ",".join(g)
+        p.join()
+        if kind == "ok":
+            result.update(val)
+            for n in g:
+                progress("  %s: datapath %s loaded (%d connections, %.1fs)"
+                         % (n, val[n]["instance"], val[n]["connections"], val[n]["load_s"] or 0))
+        else:
+            errors.append(val)
+    if errors:
+        raise LabError("host datapath: %s" % errors[0])
+    return result
+
+
+def unload_all(state: dict) -> None:
+    """Detach and unpin every host datapath of a lab (down removes the namespaces anyway)."""
+    from .. import loader
+    for inst in (state.get("hosts") or {}).values():
+        try:
+            loader.unload(inst["instance"], quiet_missing=True)
+        except Exception:
+            pass
