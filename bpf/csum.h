@@ -42,13 +42,43 @@ static __always_inline __u32 icrc_delta(struct mrc_icrc_row *row, __u16 d)
 	return delta;
 }
 
-/* Apply the ICRC change of sport old -> new. Returns 0 on success, -1 if out of table. */
+/*
+ * The UDP checksum covers the ICRC trailer too: fold the trailer's change into a
+ * non-zero checksum, one 16-bit word at a time.  A trailer at an odd offset from the
+ * UDP header straddles the checksum's words; byte-swapped words account for that
+ * (RFC 1071, byte order independence).
+ */
+static __always_inline int udp_csum_trailer(struct xdp_md *ctx, struct mrc_pkt *p,
+					    __u32 old_raw, __u32 new_raw)
+{
+	__u32 off = p->udp_off + 6;
+	__u32 o = bpf_ntohl(old_raw), n = bpf_ntohl(new_raw);   /* wire byte 0 on top */
+	__u16 ck, c, o0 = o >> 16, o1 = o & 0xffff, n0 = n >> 16, n1 = n & 0xffff;
+
+	if (bpf_xdp_load_bytes(ctx, off, &ck, sizeof(ck)))
+		return -1;
+	if (!ck)
+		return 0;
+	if ((p->udp_len - MRC_ICRC_LEN) & 1) {
+		o0 = __builtin_bswap16(o0);
+		o1 = __builtin_bswap16(o1);
+		n0 = __builtin_bswap16(n0);
+		n1 = __builtin_bswap16(n1);
+	}
+	c = udp_csum_replace16(bpf_ntohs(ck), o0, n0);
+	c = udp_csum_replace16(c, o1, n1);
+	ck = bpf_htons(c);
+	return bpf_xdp_store_bytes(ctx, off, &ck, sizeof(ck)) ? -1 : 0;
+}
+
+/* Apply the ICRC change of sport old -> new (and keep a non-zero UDP checksum valid
+ * across the trailer change). Returns 0 on success, -1 if out of table. */
 static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt *p,
 					     __u16 old_sport, __u16 new_sport)
 {
 	__u32 n = p->udp_len - 6;
 	struct mrc_icrc_row *row;
-	__u32 off, v, delta;
+	__u32 off, v, old, delta;
 
 	if (n >= MRC_ICRC_TBL_LEN)
 		return -1;
@@ -59,6 +89,7 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 	off = p->udp_off + p->udp_len - MRC_ICRC_LEN;
 	if (bpf_xdp_load_bytes(ctx, off, &v, sizeof(v)))
 		return -1;
+	old = v;
 #if (MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
     (!MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
 	v ^= delta;
@@ -67,7 +98,7 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 #endif
 	if (bpf_xdp_store_bytes(ctx, off, &v, sizeof(v)))
 		return -1;
-	return 0;
+	return udp_csum_trailer(ctx, p, old, v);
 }
 
 #endif
