@@ -31,10 +31,6 @@ static __always_inline void srv6_dst(struct mrc_srv6_tmpl *t, __u32 plane, __u32
 		da[4 + 2 * i] = u >> 8;
 		da[5 + 2 * i] = u & 0xff;
 	}
-	da[16 - 1] = 0;
-	da[16 - 2] = 0;
-	da[16 - 3] = 0;
-	da[16 - 4] = 0;
 }
 
 /*
