@@ -139,7 +139,10 @@ def test_srv6_failed_t1_takes_nothing_and_heals(srv6_lab):
         d = wait_delta(lm, topo, before, 4, end="p0t0s1>h2")
         assert d["p0t0s1>h2"] == 4 and d["p0t1s0>p0t0s1"] == 4
         assert "p0t1s1>p0t0s1" not in d
-        assert delta(drops0, snap(lm, topo, "drop_blackhole")) == {"p0t0s0>p0t1s1": 4}
+        drops = delta(drops0, snap(lm, topo, "drop_blackhole"))
+        # (non-MRC chatter, e.g. an MLD report, may also hit the dead links)
+        assert 4 <= drops["p0t0s0>p0t1s1"] <= 6
+        assert set(drops) <= {"p0t0s0>p0t1s1", "p0t1s1>p0t0s0", "p0t0s1>p0t1s1", "p0t1s1>p0t0s1"}
     finally:
         cli.heal(prefix)
     before = snap(lm, topo)
