@@ -238,8 +238,10 @@ def format_status(s: dict) -> str:
     out.append("hosts:")
     for n in hosts:
         loc = ("  locators " + " ".join(n["locators"])) if n["locators"] else ""
-        out.append("  %-8s netns %-14s MRC %s  T0 %d%s%s" % (n["name"], n["netns"], n["addr"], n["t0"],
-                                                         loc, "" if n["exists"] else "  [MISSING]"))
+        dp = (s.get("hosts") or {}).get(n["name"])
+        dps = ("  datapath %s" % dp["instance"]) if dp else "  (no datapath)"
+        out.append("  %-8s netns %-14s MRC %s  T0 %d%s%s%s" % (
+            n["name"], n["netns"], n["addr"], n["t0"], dps, loc, "" if n["exists"] else "  [MISSING]"))
     out.append("switches: " + " ".join(n["name"] + ("" if n["exists"] else "[MISSING]") for n in sw))
     out.append("links (FROM>TO, modelled at TO's port; `lab link set h0-p0t0s0 ...` sets both "
                "directions, `h0>p0t0s0` one):")
@@ -364,6 +366,7 @@ def cmd_heal(args) -> int:
 def _guard(fn):
     def run(args) -> int:
         try:
+            fabric.require_root()
             return fn(args)
         except (fabric.LabError, topomod.TopologyError, lmod.LinkModelError) as e:
             print("mrc-xdp lab: %s" % e, file=sys.stderr)
