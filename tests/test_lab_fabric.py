@@ -265,14 +265,16 @@ def test_down_after_kill_9_midway_removes_everything():
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     try:
-        for line in proc.stdout:
-            if "veth" in line:
-                break
-        assert fabric.leftovers(prefix)["netns"]
+        try:
+            for line in proc.stdout:
+                if "veth" in line:
+                    break
+            assert fabric.leftovers(prefix)["netns"]
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+        # a half-built lab is not "running": status says so, up would clean it first
+        assert fabric.running(prefix) is None
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-    # a half-built lab is not "running": status says so, up would clean it first
-    assert fabric.running(prefix) is None
-    fabric.down(prefix)
+        fabric.down(prefix)
     assert fabric.leftovers(prefix) == {"netns": [], "pins": [], "state_file": []}
