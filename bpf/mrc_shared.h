@@ -312,7 +312,7 @@ enum mrc_ctr {
 	MRC_C_BAD_OPCODE,
 	MRC_C_BAD_TRUNC_EXT,
 	MRC_C_BAD_TOO_LONG,         /* beyond the ICRC update table */
-	MRC_C_BAD_SRV6,             /* malformed SRv6 for us */
+	MRC_C_BAD_SRV6,             /* SRv6 (ingress): outer length is not exactly the inner packet */
 	MRC_C_NON_MRC_VLAN,         /* subsets of NON_MRC, for the curious */
 	MRC_C_NON_MRC_IPV4,
 	MRC_C_NON_MRC_EXTHDR,

@@ -97,7 +97,7 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	struct ipv6hdr *ip6;
 	struct udphdr *udp;
 	__u8 *bth;
-	__u32 plen;
+	__u32 plen, outer_plen;
 
 	p->pkt_len = data_end - data;
 	*reason = MRC_C_MAX;
@@ -119,7 +119,10 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		return MRC_P_NOT;
 	p->outer = 0;
 	p->l3_off = MRC_ETH_LEN;
+	outer_plen = bpf_ntohs(ip6->payload_len);
 	if (ip6->nexthdr == NEXTHDR_IPV6_ENCAP && allow_encap) {
+		if (ip6->version != 6)
+			return MRC_P_NOT;
 		ip6 = data + MRC_ETH_LEN + MRC_IPV6_LEN;
 		if ((void *)(ip6 + 1) > data_end)
 			return MRC_P_NOT;
@@ -145,6 +148,10 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	plen = bpf_ntohs(ip6->payload_len);
 	if (p->l3_off + MRC_IPV6_LEN + plen > p->pkt_len) {
 		*reason = MRC_C_BAD_TRUNC_IPV6;
+		return MRC_P_BAD;
+	}
+	if (p->outer && outer_plen != MRC_IPV6_LEN + plen) {   /* outer must hold the inner packet */
+		*reason = MRC_C_BAD_SRV6;
 		return MRC_P_BAD;
 	}
 	if (p->udp_len != plen) {
