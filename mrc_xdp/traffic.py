@@ -25,6 +25,8 @@ UDP = L3 + 40
 BTH = UDP + 8
 EXT = BTH + 12
 DATA_OPS = set(int(o) for o in wire.DATA_OPCODES)
+GIVE_UP = 1024          # receiver: holes this far behind the newest PSN are given up
+GIVE_UP_STEP = 256
 
 
 def _patch_icrc(frame: bytearray) -> bytes:
@@ -83,13 +85,43 @@ class Sender:
 
 
 class _RxConn:
-    __slots__ = ("peer_qpn", "cack", "recv", "pkts", "ce", "trimmed")
+    __slots__ = ("peer_qpn", "cack", "high", "recv", "pkts", "ce", "trimmed")
 
     def __init__(self, peer_qpn):
         self.peer_qpn = peer_qpn
-        self.cack = 0          # every PSN below has been received
+        self.cack = 0          # every PSN below has been received (or given up on)
+        self.high = 0          # newest PSN received
         self.recv = set()      # received PSNs >= cack
         self.pkts = self.ce = self.trimmed = 0
+
+    def receive(self, psn: int) -> tuple[int, int, int]:
+        """Record psn; returns (cack, sack_offset, bitmap) for the SACK answering it.
+
+        The bitmap window ends at psn (base = psn - 63, or cack if that is newer), so
+        each SACK reports the holes just behind the newest arrival.  This sender never
+        retransmits, so holes more than GIVE_UP PSNs behind the newest are given up
+        (cack jumps over them, in steps of GIVE_UP_STEP): state stays bounded and the
+        16-bit sack_offset never overflows.
+        """
+        if (psn - self.cack) & 0xFFFFFF >= 0x800000:
+            return self.cack, 0, 0                    # older than cack: duplicate
+        self.recv.add(psn)
+        if (psn - self.high) & 0xFFFFFF < 0x800000:
+            self.high = psn
+        if (self.high - self.cack) & 0xFFFFFF > GIVE_UP + GIVE_UP_STEP:
+            self.cack = (self.high - GIVE_UP) & 0xFFFFFF
+            self.recv = {p for p in self.recv if (p - self.cack) & 0xFFFFFF < 0x800000}
+        while self.cack in self.recv:
+            self.recv.discard(self.cack)
+            self.cack = (self.cack + 1) & 0xFFFFFF
+        base = (psn - 63) & 0xFFFFFF
+        if (base - self.cack) & 0xFFFFFF >= 0x800000:
+            base = self.cack
+        bitmap = 0
+        for i in range(64):
+            if (base + i) & 0xFFFFFF in self.recv:
+                bitmap |= 1 << i
+        return self.cack, (base - self.cack) & 0xFFFF, bitmap
 
 
 class Receiver:
@@ -168,23 +200,14 @@ class Receiver:
             return
         ce = (tc & 3) == 3
         c.ce += ce
-        if (psn - c.cack) & 0xFFFFFF < 0x800000:
-            c.recv.add(psn)
-            while c.cack in c.recv:
-                c.recv.discard(c.cack)
-                c.cack = (c.cack + 1) & 0xFFFFFF
-        bitmap = 0
-        for p in c.recv:
-            d = (p - c.cack) & 0xFFFFFF
-            if d < 64:
-                bitmap |= 1 << d
-        cack, off = c.cack, (psn - c.cack) & 0xFFFF
+        cack, soff, bitmap = c.receive(psn)
+        off = (psn - cack) & 0xFFFF
 
         def fill_sack(r):
             r[EXT + 1] = (r[EXT + 1] & ~(3 << 5)) | ((SackM.SKIP_ONCE if ce else SackM.NONE) << 5)
             r[EXT + 2:EXT + 4] = off.to_bytes(2, "big")
             r[EXT + 13:EXT + 16] = cack.to_bytes(3, "big")
-            r[EXT + 18:EXT + 20] = b"\0\0"                      # bitmap base = cack
+            r[EXT + 18:EXT + 20] = soff.to_bytes(2, "big")       # bitmap base = cack + soff
             r[EXT + 20:EXT + 28] = bitmap.to_bytes(8, "big")
         self._reply(self._sack, f, c, cack, fill_sack)
         self.sacks += 1
