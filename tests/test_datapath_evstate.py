@@ -1,0 +1,455 @@
+"""Tier 1: the EV state machine, driven by feedback through ingress and observed through
+spray (which EVs carry the next packets), the EV table, mrc_evidx, per-EV counters,
+the global counters and the mrc_events ring.
+
+    GOOD --SACK M=SKIP_ONCE / NACK TRIMMED(_LASTHOP)--> SKIP --one rotation--> GOOD
+    GOOD|SKIP --SACK M=ALWAYS_SKIP / loss--> ASSUMED_BAD, slot taken by a backup EV of
+         the same plane
+    operator: DENIED (never used) / GOOD again
+Feedback counts only from a known connection echoing one of its EVs (spoofing cases).
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from helpers import (ACTIVE_MAX, CONN_A, CONN_B, LOSS_REORDER, PEER_B, QPN_A_REMOTE,
+                     QPN_B_LOCAL, STRANGER, XDP_REDIRECT, data, with_macs, xdp_name)
+from mrc_xdp import wire
+from mrc_xdp.shared import EvReason, EvState, NackReason, SackM, const
+
+ING_FB = {"ing_rx": 1, "ing_to_engine": 1}
+
+
+def _fb(env, kind, ev, cid=CONN_A, **kw):
+    """Run one feedback frame through ingress; (counter deltas)."""
+    f = env.feedback(kind, ev, cid=cid, **kw)
+    ret, out, d = env.run_counted("ingress", f)
+    assert ret == XDP_REDIRECT, xdp_name(ret)
+    assert out == with_macs(f, *env.engine_macs()), "feedback frames reach the engine unchanged"
+    return d
+
+
+def _plane_ev(env, cid, plane, k):
+    return env.ev_sets(cid)[0][plane][k].ev
+
+
+def _spray_one(env, cid=CONN_A, psn=0):
+    ret, out = env.run("spray", data(psn, cid))
+    assert ret == XDP_REDIRECT, xdp_name(ret)
+    ev = wire.ev_of_frame(out)
+    return ev, env.plane_of_macs(out)
+
+
+# ------------------------------------------------------------------ SKIP
+
+def test_sack_skip_once_sits_out_exactly_one_rotation(ecmp):
+    env = ecmp
+    n = env.conn(CONN_A).ev_per_plane
+    x = _plane_ev(env, CONN_A, 0, 2)
+    for i in range(5):                       # somewhere in the middle of a rotation
+        _spray_one(env, psn=i)
+    d = _fb(env, "sack", x, m=SackM.SKIP_ONCE)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_skip=1)
+    e = env.ev(CONN_A, x)
+    assert (EvState(e.state), EvReason(e.reason)) == (EvState.SKIP, EvReason.SACK_SKIP)
+    c = env.evctr(CONN_A, x)
+    assert (c["sack"], c["ecn"]) == (1, 1)
+    ev_list = env.events()
+    assert [(v.ev, v.old_state, v.new_state, v.reason) for v in ev_list] == \
+        [(x, EvState.GOOD, EvState.SKIP, EvReason.SACK_SKIP)]
+
+    # Spray until the SKIP is consumed: X is passed over once, at its turn.
+    skipped_round = None
+    for i in range(4 * n):
+        _, pseq = env.rot(CONN_A)
+        before = env.counters()["spray_skip"]
+        ev, plane = _spray_one(env, psn=100 + i)
+        assert ev != x, "X used while SKIP"
+        if env.state(CONN_A, x) == EvState.GOOD:
+            assert env.counters()["spray_skip"] == before + 1
+            assert plane == 0, "the packet that passed X over left its plane"
+            skipped_round = pseq[0] // n
+            break
+    assert skipped_round is not None, "SKIP never consumed"
+    e = env.ev(CONN_A, x)
+    assert EvReason(e.reason) == EvReason.SKIP_DONE
+    assert env.evctr(CONN_A, x)["skipped"] == 1
+    assert [(v.ev, v.old_state, v.new_state, v.reason) for v in env.events()] == \
+        [(x, EvState.SKIP, EvState.GOOD, EvReason.SKIP_DONE)]
+
+    # ... and used again in the very next rotation of its plane, not later.
+    for i in range(4 * n):
+        _, pseq = env.rot(CONN_A)
+        ev, plane = _spray_one(env, psn=200 + i)
+        if ev == x:
+            assert pseq[0] // n == skipped_round + 1
+            break
+        if plane == 0:
+            assert pseq[0] // n <= skipped_round + 1, "X missed the rotation after its skip"
+    else:
+        raise AssertionError("X never came back")
+
+
+NACK_CASES = [(r, r in (NackReason.TRIMMED, NackReason.TRIMMED_LASTHOP)) for r in NackReason] + \
+    [(0x55, False), (0x00, False)]
+
+
+@pytest.mark.parametrize("reason,skips", NACK_CASES,
+                         ids=[getattr(r, "name", hex(r)) for r, _ in NACK_CASES])
+def test_nack_reason(ecmp, reason, skips):
+    env = ecmp
+    x = _plane_ev(env, CONN_A, 1, 5)
+    before = env.ev_table_bytes()
+    d = _fb(env, "nack", x, reason=reason)
+    c = env.evctr(CONN_A, x)
+    if skips:
+        assert d == dict(ING_FB, ing_nack=1, ing_fb_skip=1)
+        e = env.ev(CONN_A, x)
+        assert (EvState(e.state), EvReason(e.reason)) == (EvState.SKIP, EvReason.NACK_TRIM)
+        assert (c["nack"], c["trim"]) == (1, 1)
+    else:
+        assert d == dict(ING_FB, ing_nack=1)
+        assert env.ev_table_bytes() == before
+        assert (c["nack"], c["trim"]) == (1, 0)
+        assert env.events() == []
+
+
+SACK_M_CASES = [(SackM.NONE, EvState.GOOD), (SackM.SKIP_ONCE, EvState.SKIP),
+                (SackM.ALWAYS_SKIP, EvState.ASSUMED_BAD), (3, EvState.GOOD)]
+
+
+@pytest.mark.parametrize("m,after", SACK_M_CASES,
+                         ids=["none", "skip_once", "always_skip", "m3-reserved"])
+def test_sack_m_flag(ecmp, m, after):
+    env = ecmp
+    x = _plane_ev(env, CONN_A, 0, 0)
+    _fb(env, "sack", x, m=m)
+    assert EvState(env.ev(CONN_A, x).state) == after
+
+
+# state before, feedback -> state after (no replacement unless the EV becomes ASSUMED_BAD)
+TRANSITIONS = [
+    (EvState.SKIP, ("sack", SackM.SKIP_ONCE), EvState.SKIP),
+    (EvState.SKIP, ("nack", NackReason.TRIMMED), EvState.SKIP),
+    (EvState.SKIP, ("sack", SackM.ALWAYS_SKIP), EvState.ASSUMED_BAD),
+    (EvState.DENIED, ("sack", SackM.SKIP_ONCE), EvState.DENIED),
+    (EvState.DENIED, ("nack", NackReason.TRIMMED_LASTHOP), EvState.DENIED),
+    (EvState.DENIED, ("sack", SackM.ALWAYS_SKIP), EvState.DENIED),
+    (EvState.ASSUMED_BAD, ("sack", SackM.ALWAYS_SKIP), EvState.ASSUMED_BAD),
+    (EvState.ASSUMED_BAD, ("sack", SackM.SKIP_ONCE), EvState.ASSUMED_BAD),
+    (EvState.ASSUMED_BAD, ("nack", NackReason.TRIMMED), EvState.ASSUMED_BAD),
+]
+
+
+@pytest.mark.parametrize("start,fb,after", TRANSITIONS,
+                         ids=["%s-%s-%s" % (s.name, f[0], getattr(f[1], "name", f[1]))
+                              for s, f, _ in TRANSITIONS])
+def test_feedback_on_non_good_ev(ecmp, start, fb, after):
+    env = ecmp
+    x = _plane_ev(env, CONN_A, 1, 1)
+    slot = env.slot_of(CONN_A, x)
+    env.set_state(CONN_A, x, start)
+    kind, v = fb
+    d = _fb(env, kind, x, **({"m": v} if kind == "sack" else {"reason": v}))
+    assert EvState(env.ev(CONN_A, x).state) == after
+    assert "ing_fb_skip" not in d
+    if start != after:                              # SKIP -> ASSUMED_BAD: retired, replaced
+        assert d["ing_fb_bad"] == 1 and d["ing_fb_replaced"] == 1
+        assert env.slot_of(CONN_A, x) != slot
+    else:
+        assert "ing_fb_bad" not in d and env.slot_of(CONN_A, x) == slot
+
+
+# ------------------------------------------------------------------ ASSUMED_BAD + replacement
+
+@pytest.mark.parametrize("plane,k", [(0, 0), (0, 7), (1, 3)])
+def test_always_skip_retires_and_replaces_from_same_plane(ecmp, plane, k):
+    env = ecmp
+    conn = env.conn(CONN_A)
+    x = _plane_ev(env, CONN_A, plane, k)
+    slot = env.slot_of(CONN_A, x)
+    assert slot == plane * conn.ev_per_plane + k
+    backup = env.ev_sets(CONN_A)[1][plane][0]
+    bslot = ACTIVE_MAX + plane * conn.backup_per_plane
+    assert env.slot_of(CONN_A, backup.ev) == bslot
+    tx = sum(1 for _ in range(64) if _spray_one(env)[0] == x)   # some traffic on X first
+    assert tx == 4
+
+    d = _fb(env, "sack", x, m=SackM.ALWAYS_SKIP)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+    # the slots swapped, mrc_evidx re-pointed, per-EV counters follow the EV (cidx)
+    a, b = env.ev_at(CONN_A, slot), env.ev_at(CONN_A, bslot)
+    assert (a.ev, EvState(a.state), EvReason(a.reason), a.plane, a.cidx) == \
+        (backup.ev, EvState.GOOD, EvReason.REPLACED, plane, bslot)
+    assert (b.ev, EvState(b.state), EvReason(b.reason), b.plane, b.cidx) == \
+        (x, EvState.ASSUMED_BAD, EvReason.SACK_ALWAYS, plane, slot)
+    assert env.slot_of(CONN_A, x) == bslot and env.slot_of(CONN_A, backup.ev) == slot
+    assert env.evctr(CONN_A, x)["tx_pkts"] == 4 and env.evctr(CONN_A, x)["sack"] == 1
+    assert env.evctr(CONN_A, backup.ev)["tx_pkts"] == 0
+    evs = [(v.ev, v.slot, v.old_state, v.new_state, v.reason, v.plane, v.other_ev)
+           for v in env.events()]
+    assert evs == [(x, slot, EvState.GOOD, EvState.ASSUMED_BAD, EvReason.SACK_ALWAYS, plane, 0),
+                   (backup.ev, slot, EvState.GOOD, EvState.GOOD, EvReason.REPLACED, plane, x)]
+
+    # X is never used again; the backup takes its turns; planes stay equal
+    use = collections.Counter()
+    planes = collections.Counter()
+    for i in range(32 * conn.ev_per_plane):
+        ev, p = _spray_one(env, psn=i)
+        use[ev] += 1
+        planes[p] += 1
+    assert use[x] == 0 and use[backup.ev] == 16
+    assert planes[0] == planes[1]
+    assert set(use.values()) == {16}
+
+
+def test_backups_run_out(ecmp):
+    """Plane 0 has 4 backups: four retirements are replaced in backup order, the fifth
+    is counted ing_fb_no_backup and leaves the slot with the (never used) bad EV."""
+    env = ecmp
+    conn = env.conn(CONN_A)
+    backups = [s.ev for s in env.ev_sets(CONN_A)[1][0]]
+    bad = [_plane_ev(env, CONN_A, 0, k) for k in range(5)]
+    for i, x in enumerate(bad):
+        d = _fb(env, "sack", x, m=SackM.ALWAYS_SKIP)
+        if i < 4:
+            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+            assert env.ev_at(CONN_A, i).ev == backups[i]
+        else:
+            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1)
+            assert env.slot_of(CONN_A, x) == 4 and env.state(CONN_A, x) == EvState.ASSUMED_BAD
+    # a retired EV sitting in a backup slot is not a candidate either
+    assert all(env.state(CONN_A, x) == EvState.ASSUMED_BAD for x in bad)
+    use, planes = collections.Counter(), collections.Counter()
+    for i in range(70 * conn.ev_per_plane):
+        ev, p = _spray_one(env, psn=i)
+        use[ev] += 1
+        planes[p] += 1
+    assert not set(bad) & set(use)
+    assert planes[0] == planes[1], "plane invariant: a plane one EV short keeps its share"
+    plane0 = [ev for ev in use if env.ev_plane(CONN_A)[ev] == 0]
+    assert sorted(plane0) == sorted(backups + [_plane_ev(env, CONN_A, 0, k) for k in range(5, 8)])
+
+
+def test_connection_without_backups(ecmp):
+    env = ecmp
+    x = _plane_ev(env, CONN_B, 1, 0)
+    d = _fb(env, "sack", x, cid=CONN_B, m=SackM.ALWAYS_SKIP)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1)
+    assert env.state(CONN_B, x) == EvState.ASSUMED_BAD
+    use = collections.Counter(env.spray_evs(400, CONN_B))
+    assert use[x] == 0 and len(use) == 7
+    p1 = sum(v for ev, v in use.items() if env.ev_plane(CONN_B)[ev] == 1)
+    assert p1 == 200
+
+
+# ------------------------------------------------------------------ loss from SACK bitmaps
+
+PSN0 = 1000
+NPSN = 32
+
+
+def _spray_psns(env, psn0=PSN0, n=NPSN):
+    """Spray data PSNs psn0..psn0+n-1; PSN -> EV from the output frames."""
+    return dict(zip(range(psn0, psn0 + n), env.spray_evs(n, psn0=psn0)))
+
+
+def _sack_bitmap(holes, width=NPSN):
+    return ((1 << width) - 1) & ~sum(1 << h for h in holes)
+
+
+def _other_ev(env, *not_these):
+    return next(ev for ev in env.active_evs(CONN_A) if ev not in not_these)
+
+
+@pytest.mark.parametrize("below,lost", [(LOSS_REORDER, True), (LOSS_REORDER - 1, False),
+                                        (NPSN - 1, True), (1, False)],
+                         ids=["at-reorder", "inside-reorder", "oldest", "newest-but-one"])
+def test_sack_hole_loss(ecmp, below, lost):
+    """A hole `below` PSNs under the newest SACKed PSN (bit NPSN-1)."""
+    env = ecmp
+    carried = _spray_psns(env)
+    for psn, ev in carried.items():                 # spray recorded PSN -> EV
+        pe = env.psn_entry(CONN_A, psn)
+        assert (pe.psn, pe.ev, pe.flags) == (psn, ev, const("MRC_PSNF_VALID"))
+    hole = NPSN - 1 - below
+    x = carried[PSN0 + hole]
+    slot = env.slot_of(CONN_A, x)
+    echo = _other_ev(env, x)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    pe = env.psn_entry(CONN_A, PSN0 + hole)
+    if lost:
+        assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+        e = env.ev(CONN_A, x)
+        assert (EvState(e.state), EvReason(e.reason), e.losses) == \
+            (EvState.ASSUMED_BAD, EvReason.LOSS, 1)
+        assert env.evctr(CONN_A, x)["loss"] == 1
+        assert pe.flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_LOST")
+        repl = env.ev_at(CONN_A, slot)
+        assert repl.ev == env.ev_sets(CONN_A)[1][env.ev_plane(CONN_A)[x]][0].ev
+        # the same hole reported again is not a second loss
+        d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+        assert d == dict(ING_FB, ing_sack=1)
+        assert env.ev(CONN_A, x).losses == 1 and env.evctr(CONN_A, x)["loss"] == 1
+        assert x not in env.spray_evs(64, psn0=5000)
+    else:
+        assert d == dict(ING_FB, ing_sack=1)
+        assert env.state(CONN_A, x) == EvState.GOOD and pe.flags == const("MRC_PSNF_VALID")
+    assert env.evctr(CONN_A, echo)["sack"] == (2 if lost else 1)
+
+
+def test_sack_hole_not_a_loss(ecmp):
+    """Holes below the cumulative ACK, at PSNs never sprayed, or whose ring entry was
+    overwritten by a later PSN, attribute nothing."""
+    env = ecmp
+    carried = _spray_psns(env)
+    echo = env.active_evs(CONN_A)[0]
+    before = env.ev_table_bytes()
+    # bitmap based 16 below cack: the holes at bits 0..15 are before cack
+    d = _fb(env, "sack", echo, cack_psn=PSN0 + 16, sack_offset=-16,
+            bitmap=_sack_bitmap(range(0, 16)))
+    assert d == dict(ING_FB, ing_sack=1)
+    # PSNs never sprayed
+    d = _fb(env, "sack", echo, cack_psn=PSN0 + 100, bitmap=_sack_bitmap([0, 3]))
+    assert d == dict(ING_FB, ing_sack=1)
+    # ring entry of PSN0+2 overwritten by PSN0+2+ring
+    ring = const("MRC_PSN_RING")
+    env.spray_evs(1, psn0=PSN0 + 2 + ring)
+    before = env.ev_table_bytes()
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([2]))
+    assert d == dict(ING_FB, ing_sack=1)
+    assert env.ev_table_bytes() == before
+    assert all(env.state(CONN_A, ev) == EvState.GOOD for ev in carried.values())
+
+
+def test_loss_threshold_two(ecmp):
+    env = ecmp
+    env.set_cfg(loss_thresh=2)
+    carried = _spray_psns(env)
+    by_ev = collections.defaultdict(list)
+    for psn, ev in carried.items():
+        by_ev[ev].append(psn - PSN0)
+    x, (h1, h2) = next((ev, hs[:2]) for ev, hs in by_ev.items()
+                       if len(hs) >= 2 and max(hs[:2]) < NPSN - LOSS_REORDER)
+    echo = _other_ev(env, x)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([h1]))
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=1)
+    e = env.ev(CONN_A, x)
+    assert (EvState(e.state), e.losses) == (EvState.GOOD, 1)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([h1, h2]))
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+    e = env.ev(CONN_A, x)
+    assert (EvState(e.state), EvReason(e.reason), e.losses) == \
+        (EvState.ASSUMED_BAD, EvReason.LOSS, 2)
+
+
+def test_many_holes_in_one_sack(ecmp):
+    """At most MRC_LOSS_BATCH losses are attributed per SACK and one EV retired; the
+    rest are found by the next SACK."""
+    env = ecmp
+    batch = const("MRC_LOSS_BATCH")
+    carried = _spray_psns(env)
+    holes, seen = [], set()
+    for h in range(NPSN - LOSS_REORDER):
+        if carried[PSN0 + h] not in seen:
+            holes.append(h)
+            seen.add(carried[PSN0 + h])
+        if len(holes) == batch + 2:
+            break
+    echo = _other_ev(env, *seen)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=batch, ing_fb_bad=1, ing_fb_replaced=1)
+    first = carried[PSN0 + holes[0]]
+    assert env.state(CONN_A, first) == EvState.ASSUMED_BAD
+    assert [env.ev(CONN_A, carried[PSN0 + h]).losses for h in holes] == [1] * batch + [0, 0]
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=2, ing_fb_bad=1, ing_fb_replaced=1)
+
+
+# ------------------------------------------------------------------ operator deny / allow
+
+def test_denied_never_used_and_allowed_again(ecmp):
+    env = ecmp
+    n = env.conn(CONN_A).ev_per_plane
+    x = _plane_ev(env, CONN_A, 1, 6)
+    env.set_state(CONN_A, x, EvState.DENIED)
+    use, planes = collections.Counter(), collections.Counter()
+    for i in range(14 * n * 2):
+        ev, p = _spray_one(env, psn=i)
+        use[ev] += 1
+        planes[p] += 1
+    assert use[x] == 0
+    assert planes[0] == planes[1]
+    assert env.state(CONN_A, x) == EvState.DENIED, "DENIED never auto-recovers"
+    # feedback cannot retire, replace or skip a DENIED EV
+    before = env.ev_table_bytes()
+    for m in (SackM.ALWAYS_SKIP, SackM.SKIP_ONCE):
+        _fb(env, "sack", x, m=m)
+    assert env.ev_table_bytes() == before
+
+    env.set_state(CONN_A, x, EvState.GOOD)
+    later = env.spray_evs(4 * n)
+    assert x in later
+
+
+def test_no_usable_ev_in_a_plane_spills_to_the_other(ecmp):
+    """All of plane 1 denied: its packets go to plane 0 rather than being dropped."""
+    env = ecmp
+    for k in range(env.conn(CONN_A).ev_per_plane):
+        env.set_state(CONN_A, _plane_ev(env, CONN_A, 1, k), EvState.DENIED)
+    planes = collections.Counter(_spray_one(env, psn=i)[1] for i in range(64))
+    assert planes == {0: 64}
+
+
+# ------------------------------------------------------------------ spoofed feedback
+
+SPOOFS = [
+    # id, frame fields, counter
+    ("unknown-source", dict(src=STRANGER), "ing_fb_no_conn"),
+    ("wrong-qpn", dict(dqpn=0x3FF), "ing_fb_no_conn"),
+    ("tx-direction-qpn", dict(dqpn=QPN_A_REMOTE), "ing_fb_no_conn"),
+    ("peer-b-with-a-qpn", dict(src=PEER_B), "ing_fb_no_conn"),
+    ("peer-a-with-b-qpn", dict(dqpn=QPN_B_LOCAL), "ing_fb_no_conn"),
+    ("ev-not-in-set", dict(echo=0xDEADBEEF), "ing_fb_no_ev"),
+    ("ev-of-other-connection", dict(echo="B"), "ing_fb_no_ev"),
+]
+SPOOF_KINDS = [("sack", dict(m=SackM.ALWAYS_SKIP)), ("sack", dict(m=SackM.SKIP_ONCE)),
+               ("sack", dict(bitmap="loss")), ("nack", dict(reason=NackReason.TRIMMED))]
+
+
+@pytest.mark.parametrize("kind,kw", SPOOF_KINDS,
+                         ids=["always_skip", "skip_once", "loss", "nack_trim"])
+@pytest.mark.parametrize("fields,ctr", [s[1:] for s in SPOOFS], ids=[s[0] for s in SPOOFS])
+def test_spoofed_feedback_changes_nothing(ecmp, kind, kw, fields, ctr):
+    env = ecmp
+    carried = _spray_psns(env)
+    fields, kw = dict(fields), dict(kw)
+    echo = fields.pop("echo", carried[PSN0])
+    if echo == "B":
+        echo = env.active_evs(CONN_B)[0]
+    if kw.get("bitmap") == "loss":
+        kw.update(cack_psn=PSN0, bitmap=_sack_bitmap([0, 1, 2]))
+    before = env.ev_table_bytes()
+    psn_before = [env.psn_entry(CONN_A, p).flags for p in carried]
+    f = env.feedback(kind, echo, **fields, **kw)
+    ret, out, d = env.run_counted("ingress", f)
+    assert ret == XDP_REDIRECT and out == with_macs(f, *env.engine_macs())
+    assert d == dict(ING_FB, **{"ing_" + kind: 1, ctr: 1})
+    assert env.ev_table_bytes() == before
+    assert [env.psn_entry(CONN_A, p).flags for p in carried] == psn_before
+    assert env.events() == []
+    assert all(env.evctr(CONN_A, ev)["sack"] == 0 and env.evctr(CONN_A, ev)["nack"] == 0
+               for ev in env.active_evs(CONN_A))
+
+
+def test_feedback_not_addressed_to_us_changes_nothing(ecmp):
+    env = ecmp
+    x = env.active_evs(CONN_A)[0]
+    before = env.ev_table_bytes()
+    f = env.feedback("sack", x, dst="fd00:100::5", m=SackM.ALWAYS_SKIP)
+    ret, out, d = env.run_counted("ingress", f)
+    assert (xdp_name(ret), out) == ("PASS", f)
+    assert d == {"ing_rx": 1, "ing_not_ours": 1}
+    assert env.ev_table_bytes() == before
