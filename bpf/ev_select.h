@@ -16,7 +16,7 @@
 
 #include "ev_state.h"
 
-#define MRC_SELECT_TRIES 16        /* EV positions examined per packet, over all planes */
+#define MRC_SELECT_TRIES 32        /* EV positions examined per packet, over all planes */
 #define MRC_NO_SLOT      0xFFFFFFFF
 
 static __always_inline __u32 rot_index(__u64 pos, struct mrc_conn *c, __u32 n)
@@ -30,27 +30,34 @@ static __always_inline __u32 rot_index(__u64 pos, struct mrc_conn *c, __u32 n)
 }
 
 /*
- * Returns the active slot to use, or MRC_NO_SLOT.  Try t looks at plane
- * (p0 + t / n) mod nplanes: the packet's own plane first, the next one only when every
- * EV of it was tried.  Only t is carried across iterations, so the verifier can prune.
+ * Returns the active slot to use, or MRC_NO_SLOT.  The packet's own plane p0 gets the
+ * first `budget` tries (budget = its EV count, capped at an equal share of
+ * MRC_SELECT_TRIES), then the next plane, and so on: a plane with no usable EV costs
+ * its budget, never the packet.  Only t is carried across iterations, so the
+ * verifier can prune.
  */
 static __always_inline __u32 ev_select(__u32 cid, struct mrc_conn *c, __u32 nplanes)
 {
 	struct mrc_rot *r = mrc_rot.lookup(&cid);
 	__u32 n = c->ev_per_plane;
-	__u32 t, p0, plane, slot, limit;
+	__u32 t, p0, plane, slot, budget, limit;
 	struct mrc_ev *e;
 
 	if (!r || !n || !nplanes || nplanes > MRC_MAX_PLANES || n * nplanes > MRC_EV_ACTIVE_MAX)
 		return MRC_NO_SLOT;
 	p0 = r->seq % nplanes;
 	r->seq++;
-	limit = n * nplanes;
+	budget = MRC_SELECT_TRIES / nplanes;
+	if (budget > n)
+		budget = n;
+	if (!budget)
+		budget = 1;
+	limit = budget * nplanes;
 #pragma clang loop unroll(disable)
 	for (t = 0; t < MRC_SELECT_TRIES; t++) {
 		if (t >= limit)
 			break;
-		plane = ((p0 + t / n) % nplanes) & (MRC_MAX_PLANES - 1);
+		plane = ((p0 + t / budget) % nplanes) & (MRC_MAX_PLANES - 1);
 		slot = plane * n + rot_index(r->pseq[plane]++, c, n);
 		e = ev_at(cid, slot);
 		if (!e)

@@ -281,6 +281,13 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN : MRC_NETH_LEN);
 	if (!h)
 		return;
+	/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
+	if (p->opcode == MRC_OP_SACK) {
+		__u32 cack = get24(h + 13);
+		__s16 soff = (__s16)(((__u16)h[18] << 8) | h[19]);
+
+		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20));
+	}
 	key.conn = cid;
 	key.ev = get32(h + 4);
 	slotp = mrc_evidx.lookup(&key);
@@ -296,8 +303,6 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 	if (p->opcode == MRC_OP_SACK) {
 		__u8 m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
-		__u32 cack = get24(h + 13);
-		__s16 soff = (__s16)(((__u16)h[18] << 8) | h[19]);
 
 		if (ec)
 			ec->sack++;
@@ -309,7 +314,6 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 		} else if (m == MRC_M_ALWAYS_SKIP) {
 			ev_retire(cid, c, slot, e, MRC_R_SACK_ALWAYS);
 		}
-		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20));
 	} else {
 		__u8 why = h[2];
 
