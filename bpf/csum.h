@@ -30,6 +30,7 @@ static __always_inline __u16 udp_csum_replace16(__u16 check, __u16 old, __u16 ne
 	return r ? r : 0xFFFF;
 }
 
+/* Branchless: sixteen conditional XORs become masks. */
 static __always_inline __u32 icrc_delta(struct mrc_icrc_row *row, __u16 d)
 {
 	__u32 delta = 0;
@@ -37,8 +38,7 @@ static __always_inline __u32 icrc_delta(struct mrc_icrc_row *row, __u16 d)
 
 #pragma unroll
 	for (i = 0; i < 16; i++)
-		if (d & (1 << i))
-			delta ^= row->bit[i];
+		delta ^= row->bit[i] & (0U - ((d >> i) & 1));
 	return delta;
 }
 
@@ -48,37 +48,39 @@ static __always_inline __u32 icrc_delta(struct mrc_icrc_row *row, __u16 d)
  * UDP header straddles the checksum's words; byte-swapped words account for that
  * (RFC 1071, byte order independence).
  */
-static __always_inline int udp_csum_trailer(struct xdp_md *ctx, struct mrc_pkt *p,
-					    __u32 old_raw, __u32 new_raw)
+static __always_inline void udp_csum_trailer(struct udphdr *udp, struct mrc_pkt *p,
+					     __u32 old_raw, __u32 new_raw)
 {
-	__u32 off = p->udp_off + 6;
 	__u32 o = bpf_ntohl(old_raw), n = bpf_ntohl(new_raw);   /* wire byte 0 on top */
-	__u16 ck, c, o0 = o >> 16, o1 = o & 0xffff, n0 = n >> 16, n1 = n & 0xffff;
+	__u16 c, o0 = o >> 16, o1 = o & 0xffff, n0 = n >> 16, n1 = n & 0xffff;
 
-	if (bpf_xdp_load_bytes(ctx, off, &ck, sizeof(ck)))
-		return -1;
-	if (!ck)
-		return 0;
+	if (!udp->check)
+		return;
 	if ((p->udp_len - MRC_ICRC_LEN) & 1) {
 		o0 = __builtin_bswap16(o0);
 		o1 = __builtin_bswap16(o1);
 		n0 = __builtin_bswap16(n0);
 		n1 = __builtin_bswap16(n1);
 	}
-	c = udp_csum_replace16(bpf_ntohs(ck), o0, n0);
+	c = udp_csum_replace16(bpf_ntohs(udp->check), o0, n0);
 	c = udp_csum_replace16(c, o1, n1);
-	ck = bpf_htons(c);
-	return bpf_xdp_store_bytes(ctx, off, &ck, sizeof(ck)) ? -1 : 0;
+	udp->check = bpf_htons(c);
 }
 
-/* Apply the ICRC change of sport old -> new (and keep a non-zero UDP checksum valid
- * across the trailer change). Returns 0 on success, -1 if out of table. */
+/*
+ * Apply the ICRC change of sport old -> new, by direct packet access (and keep a
+ * non-zero UDP checksum valid across the trailer change).  udp: the frame's UDP
+ * header, already bounds-checked.  Returns 0, or -1 if out of table or frame.
+ */
 static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt *p,
-					     __u16 old_sport, __u16 new_sport)
+					     struct udphdr *udp, __u16 old_sport, __u16 new_sport)
 {
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
 	__u32 n = p->udp_len - 6;
 	struct mrc_icrc_row *row;
 	__u32 off, v, old, delta;
+	__u32 *trailer;
 
 	if (n >= MRC_ICRC_TBL_LEN)
 		return -1;
@@ -87,18 +89,21 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 		return -1;
 	delta = icrc_delta(row, old_sport ^ new_sport);
 	off = p->udp_off + p->udp_len - MRC_ICRC_LEN;
-	if (bpf_xdp_load_bytes(ctx, off, &v, sizeof(v)))
+	if (off > 0x3FFF)
 		return -1;
-	old = v;
+	trailer = data + off;
+	if ((void *)(trailer + 1) > data_end)
+		return -1;
+	old = v = *trailer;
 #if (MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
     (!MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
 	v ^= delta;
 #else
 	v ^= __builtin_bswap32(delta);
 #endif
-	if (bpf_xdp_store_bytes(ctx, off, &v, sizeof(v)))
-		return -1;
-	return udp_csum_trailer(ctx, p, old, v);
+	*trailer = v;
+	udp_csum_trailer(udp, p, old, v);
+	return 0;
 }
 
 #endif

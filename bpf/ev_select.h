@@ -17,36 +17,110 @@
 #include "ev_state.h"
 
 #define MRC_SELECT_TRIES 32        /* EV positions examined per packet, over all planes */
-#define MRC_NO_SLOT      0xFFFFFFFF
 
-static __always_inline __u32 rot_index(__u64 pos, struct mrc_conn *c, __u32 n)
+/* The next EV index of a plane's rotation: one 64-bit load and store of its state,
+ * a division only when a round starts. */
+static __always_inline __u32 rot_next(struct mrc_rot_plane *rp, struct mrc_conn *c, __u32 n)
 {
-	__u64 round = pos / n;
-	__u32 i = pos - round * n;
-	__u32 stride = c->stride[round & 3];
-	__u32 off = ((__u32)(round * 2654435761ULL) >> 8) % n;
+	__u64 st = *(__u64 *)rp;
+	__u32 i = st & 0xffff, cur = (st >> 16) & 0xffff;
+	__u32 stride = (st >> 32) & 0xffff, round = st >> 48;
+	__u32 k;
 
-	return (i * stride + off) % n;
+	if (i >= n || !stride || cur >= n) {
+		round = stride ? (round + 1) & 0xffff : 0;
+		stride = c->stride[round & 3];
+		if (!stride || stride >= n)
+			stride = 1;
+		i = 0;
+		cur = ((__u32)(round * 2654435761ULL) >> 8) % n;
+	}
+	k = cur;
+	i++;
+	cur += stride;
+	if (cur >= n)
+		cur -= n;
+	*(__u64 *)rp = i | (__u64)cur << 16 | (__u64)stride << 32 | (__u64)round << 48;
+	return k;
+}
+
+/* One try in a plane: 1 = a GOOD slot, left in r->slot.  A SKIP EV met here has sat
+ * out its rotation: it is GOOD again from the next one and loses this turn; only the
+ * state flips here, the event and counters follow in skips_done(), so the loop body
+ * stays small for the verifier. */
+static __always_inline int ev_try(__u32 cid, struct mrc_conn *c, struct mrc_rot *r, __u32 plane,
+				  __u32 n)
+{
+	struct mrc_ev *e;
+	__u32 slot;
+
+	plane &= MRC_MAX_PLANES - 1;
+	slot = plane * n + rot_next(&r->p[plane], c, n);
+	e = ev_at(cid, slot);
+	if (!e)
+		return 0;
+	if (e->state == MRC_EV_GOOD) {
+		r->slot = slot;
+		return 1;
+	}
+	if (e->state == MRC_EV_SKIP && r->nskip < MRC_SKIP_BATCH) {
+		e->state = MRC_EV_GOOD;
+		e->reason = MRC_R_SKIP_DONE;
+		r->skipped[r->nskip & (MRC_SKIP_BATCH - 1)] = slot;
+		r->nskip++;
+	}
+	return 0;
+}
+
+/* Report the SKIP EVs this packet passed over: counters and one event each. */
+static __always_inline void skips_done(__u32 cid, struct mrc_rot *r)
+{
+	struct mrc_ev_ctr *ec;
+	struct mrc_ev *e;
+	__u32 i;
+
+#pragma clang loop unroll(disable)
+	for (i = 0; i < MRC_SKIP_BATCH; i++) {
+		if (i >= r->nskip)
+			break;
+		e = ev_at(cid, r->skipped[i]);
+		if (!e)
+			continue;
+		ec = evctr_of(cid, e);
+		if (ec)
+			ec->skipped++;
+		ctr_inc(MRC_C_SPRAY_SKIP);
+		e->changed_ns = bpf_ktime_get_ns();
+		ev_event(cid, r->skipped[i], e, MRC_EV_SKIP, MRC_R_SKIP_DONE, 0);
+	}
+	r->nskip = 0;
 }
 
 /*
- * Returns the active slot to use, or MRC_NO_SLOT.  The packet's own plane p0 gets the
- * first `budget` tries (budget = its EV count, capped at an equal share of
+ * Pick the EV slot for this packet: returns the rotation state with the slot in
+ * r->slot, or NULL when no EV is usable.  Planes take turns; the packet's plane p0
+ * gets the first `budget` tries (its EV count, capped at an equal share of
  * MRC_SELECT_TRIES), then the next plane, and so on: a plane with no usable EV costs
- * its budget, never the packet.  Only t is carried across iterations, so the
- * verifier can prune.
+ * its budget, never the packet.  The first try is the fast path; the loop (which
+ * divides) runs only when it fails.  The slot travels through map memory, not a
+ * register, so every exit reaches the caller in the same verifier state and the rest
+ * of the program is verified once, not once per exit.
  */
-static __always_inline __u32 ev_select(__u32 cid, struct mrc_conn *c, __u32 nplanes)
+static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, __u32 nplanes)
 {
 	struct mrc_rot *r = mrc_rot.lookup(&cid);
 	__u32 n = c->ev_per_plane;
-	__u32 t, p0, plane, slot, budget, limit;
-	struct mrc_ev *e;
+	__u32 t, p0, budget, limit;
+	int found = 1;
 
 	if (!r || !n || !nplanes || nplanes > MRC_MAX_PLANES || n * nplanes > MRC_EV_ACTIVE_MAX)
-		return MRC_NO_SLOT;
-	p0 = r->seq % nplanes;
-	r->seq++;
+		return 0;
+	p0 = r->plane < nplanes ? r->plane : 0;
+	r->plane = p0 + 1 < nplanes ? p0 + 1 : 0;
+	r->nskip = 0;
+	if (ev_try(cid, c, r, p0, n))
+		goto out;
+
 	budget = MRC_SELECT_TRIES / nplanes;
 	if (budget > n)
 		budget = n;
@@ -54,27 +128,17 @@ static __always_inline __u32 ev_select(__u32 cid, struct mrc_conn *c, __u32 npla
 		budget = 1;
 	limit = budget * nplanes;
 #pragma clang loop unroll(disable)
-	for (t = 0; t < MRC_SELECT_TRIES; t++) {
+	for (t = 1; t < MRC_SELECT_TRIES; t++) {
 		if (t >= limit)
 			break;
-		plane = ((p0 + t / budget) % nplanes) & (MRC_MAX_PLANES - 1);
-		slot = plane * n + rot_index(r->pseq[plane]++, c, n);
-		e = ev_at(cid, slot);
-		if (!e)
-			break;
-		if (e->state == MRC_EV_GOOD)
-			return slot;
-		if (e->state == MRC_EV_SKIP) {
-			/* It has now sat out its rotation: GOOD again from the next one. */
-			struct mrc_ev_ctr *ec = evctr_of(cid, e);
-
-			if (ec)
-				ec->skipped++;
-			ctr_inc(MRC_C_SPRAY_SKIP);
-			ev_set(cid, slot, e, MRC_EV_GOOD, MRC_R_SKIP_DONE);
-		}
+		if (ev_try(cid, c, r, (p0 + t / budget) % nplanes, n))
+			goto out;
 	}
-	return MRC_NO_SLOT;
+	found = 0;
+out:
+	if (r->nskip)
+		skips_done(cid, r);
+	return found ? r : 0;
 }
 
 #endif

@@ -20,6 +20,7 @@
 #include "counters.h"
 
 #define MRC_BACKUP_MAX MRC_BACKUP_PER_PLANE_MAX
+#define MRC_NO_SLOT    0xFFFFFFFF
 
 static __always_inline struct mrc_ev *ev_at(__u32 cid, __u32 slot)
 {

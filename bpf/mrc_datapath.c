@@ -23,12 +23,40 @@ static __always_inline struct mrc_config *cfg_get(void)
 	return mrc_cfg.lookup(&k);
 }
 
+static __always_inline int conn_matches(struct mrc_conn *c, __u8 *peer, __u32 qpn, __u32 dir)
+{
+	__u64 a0, a1, b0, b1;
+
+	if ((dir == MRC_DIR_TX ? c->remote_qpn : c->local_qpn) != qpn)
+		return 0;
+	__builtin_memcpy(&a0, peer, 8);
+	__builtin_memcpy(&a1, peer + 8, 8);
+	__builtin_memcpy(&b0, c->peer, 8);
+	__builtin_memcpy(&b1, c->peer + 8, 8);
+	return a0 == b0 && a1 == b1;
+}
+
+/* Connection of (peer, qpn, dir): the previous packet's on this CPU if it matches
+ * (an array lookup and a compare), else the hash map, which refills the cache. */
 static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *cid,
 				     struct mrc_conn **c)
 {
 	struct mrc_conn_key key = {};
-	__u32 *id;
+	struct mrc_ccache *cc;
+	__u32 zero = 0, *id, last;
 
+	cc = mrc_ccache.lookup(&zero);
+	if (cc) {
+		last = cc->cid1[dir & 1];
+		if (last && last <= MRC_MAX_CONNS) {
+			last -= 1;
+			*c = mrc_conns.lookup(&last);
+			if (*c && conn_matches(*c, peer, qpn, dir)) {
+				*cid = last;
+				return 0;
+			}
+		}
+	}
 	__builtin_memcpy(key.peer, peer, 16);
 	key.qpn = qpn;
 	key.dir = dir;
@@ -37,7 +65,11 @@ static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *ci
 		return -1;
 	*cid = *id;
 	*c = mrc_conns.lookup(id);
-	return *c ? 0 : -1;
+	if (!*c)
+		return -1;
+	if (cc)
+		cc->cid1[dir & 1] = *cid + 1;
+	return 0;
 }
 
 /* Traffic class = DSCP << 2 | ECN, split over the first two IPv6 header bytes. */
@@ -54,6 +86,7 @@ int mrc_spray(struct xdp_md *ctx)
 	struct mrc_config *cfg = cfg_get();
 	struct mrc_pkt p = {};
 	struct mrc_conn *c;
+	struct mrc_rot *rot;
 	struct mrc_ev *e;
 	struct mrc_plane *pl;
 	struct mrc_ev_ctr *ec;
@@ -88,11 +121,12 @@ int mrc_spray(struct xdp_md *ctx)
 		return XDP_PASS;
 	}
 
-	slot = ev_select(cid, c, cfg->nplanes);
-	if (slot == MRC_NO_SLOT) {
+	rot = ev_select(cid, c, cfg->nplanes);
+	if (!rot) {
 		ctr_inc(MRC_C_SPRAY_NO_EV);
 		return XDP_DROP;
 	}
+	slot = rot->slot;
 	e = ev_at(cid, slot);
 	if (!e)
 		return XDP_DROP;
@@ -131,7 +165,7 @@ int mrc_spray(struct xdp_md *ctx)
 			udp->check = bpf_htons(udp_csum_replace16(bpf_ntohs(udp->check), old_sport, new_sport));
 			ctr_inc(MRC_C_SPRAY_CSUM_FIX);
 		}
-		if (icrc_update_sport(ctx, &p, old_sport, new_sport)) {
+		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport)) {
 			ctr_inc(MRC_C_BAD_TOO_LONG);
 			return XDP_DROP;
 		}
@@ -330,16 +364,13 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 static __always_inline void count_rx_data(struct mrc_pkt *p)
 {
-	struct mrc_conn_key ck = {};
 	struct mrc_evidx_key key = {};
 	struct mrc_rxev_ctr *rc, zero = {};
-	__u32 *id;
+	struct mrc_conn *c;
+	__u32 cid;
 
-	__builtin_memcpy(ck.peer, p->saddr, 16);
-	ck.qpn = p->dqpn;
-	ck.dir = MRC_DIR_RX;
-	id = mrc_connidx.lookup(&ck);
-	key.conn = id ? *id : MRC_MAX_CONNS;   /* MRC_MAX_CONNS: data of no known connection */
+	/* MRC_MAX_CONNS: data of no known connection */
+	key.conn = conn_find(p->saddr, p->dqpn, MRC_DIR_RX, &cid, &c) ? MRC_MAX_CONNS : cid;
 	key.ev = p->ev;
 	rc = mrc_rxev.lookup(&key);
 	if (!rc) {

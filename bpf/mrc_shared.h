@@ -129,6 +129,7 @@ enum mrc_mode {
 #define MRC_MAP_EVIDX    mrc_evidx     /* HASH struct mrc_evidx_key -> __u32 slot */
 #define MRC_MAP_EVCTR    mrc_evctr     /* PERCPU_ARRAY[MAX_CONNS*EV_SLOTS] struct mrc_ev_ctr, by cidx */
 #define MRC_MAP_ROT      mrc_rot       /* PERCPU_ARRAY[MAX_CONNS] struct mrc_rot */
+#define MRC_MAP_CCACHE   mrc_ccache    /* PERCPU_ARRAY[1] struct mrc_ccache */
 #define MRC_MAP_PSN      mrc_psn       /* ARRAY[MAX_CONNS*PSN_RING] struct mrc_psn_ent */
 #define MRC_MAP_SRV6     mrc_srv6      /* ARRAY[MAX_TMPL]     struct mrc_srv6_tmpl */
 #define MRC_MAP_ICRC     mrc_icrc      /* ARRAY[ICRC_TBL_LEN] struct mrc_icrc_row */
@@ -223,9 +224,31 @@ struct mrc_rxev_ctr {
 	__u64 ce;
 };
 
+/* Rotation inside one plane: position i of round r uses EV index
+ * (i * stride_r + off_r) mod n, kept incrementally (cur) so the hot path divides only
+ * when a round starts.  The four fields are read and written as one 64-bit word
+ * (little-endian hosts: i is the low 16 bits).  Positions consumed = round * n + i. */
+struct mrc_rot_plane {
+	__u16 i;                /* position within the current round (n: round finished) */
+	__u16 cur;              /* EV index for position i */
+	__u16 stride;           /* 0: never used */
+	__u16 round;
+};
+
+#define MRC_SKIP_BATCH 4   /* SKIP EVs passed over (and reported) per packet at most */
+
 struct mrc_rot {
-	__u64 seq;                      /* plane round robin */
-	__u64 pseq[MRC_MAX_PLANES];     /* per-plane rotation position */
+	__u32 plane;                    /* plane of the next packet (round robin) */
+	__u32 slot;                     /* the slot ev_select() chose for this packet */
+	__u32 nskip;                    /* SKIP EVs passed over by this packet ... */
+	__u32 skipped[MRC_SKIP_BATCH];  /* ... and their slots */
+	__u32 pad;                      /* p[] 8-byte aligned: each is read as one __u64 */
+	struct mrc_rot_plane p[MRC_MAX_PLANES];
+};
+
+/* Per CPU: the connection of the previous packet, per direction (id + 1; 0 = none). */
+struct mrc_ccache {
+	__u32 cid1[2];
 };
 
 struct mrc_psn_ent {

@@ -180,6 +180,13 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		*reason = MRC_C_BAD_TRUNC_EXT;
 		return MRC_P_BAD;
 	}
+	/* Re-read what callers use: fresh loads carry none of the range facts the checks
+	 * above attached to each opcode's path, so the verifier merges those paths instead
+	 * of verifying everything after parsing once per opcode.  (Same bytes, no writes
+	 * in between: the values are the validated ones.) */
+	p->opcode = *(volatile __u8 *)&bth[0];
+	p->b8 = *(volatile __u8 *)&bth[8];
+	p->udp_len = bpf_ntohs(*(volatile __u16 *)&udp->len);
 	p->tc = ipv6_tc(ip6);
 	p->ev = ((__u32)bpf_ntohs(udp->source) << 16) |
 		((__u32)ip6->flow_lbl[1] << 8) | ip6->flow_lbl[2];

@@ -133,7 +133,8 @@ def build() -> Datapath:
     try:
         return Datapath(compile_bpf("mrc_datapath.c"))
     except Exception as e:  # bcc raises bare Exception with the verifier log printed above
-        raise LoadError("BPF compile/load failed: %s (kernel headers: run `make setup`)" % e) from e
+        raise LoadError("BPF compile/load failed: %s (the compiler or verifier output above says "
+                        "why; missing kernel headers: run `make setup`)" % e) from e
 
 
 def _attach(fd: int, dev: str, mode: str) -> str:

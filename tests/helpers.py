@@ -470,10 +470,11 @@ class Env:
         return out
 
     def rot(self, cid: int):
-        """This CPU's rotation state of a connection: (seq, [pseq per plane])."""
+        """This CPU's rotation state of a connection: (next plane, [positions consumed per plane])."""
         raw = self.maps["mrc_rot"].lookup(cid)[self.cpu]
         r = shared.from_bytes("struct mrc_rot", raw)
-        return r.seq, list(r.pseq)
+        n = self.conn(cid).ev_per_plane
+        return r.plane, [p.round * n + p.i for p in r.p]
 
     def psn_entry(self, cid: int, psn: int):
         return shared.from_bytes("struct mrc_psn_ent",
