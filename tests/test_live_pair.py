@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from mrc_xdp import netns
+from mrc_xdp import netns, wire
+from mrc_xdp.shared import SackM
 from mrc_xdp.traffic import Receiver, Sender
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
@@ -33,6 +34,13 @@ def sh(ns, cmd):
 def mac_of(ns, dev):
     out = subprocess.run(["ip", "-n", ns, "-j", "link", "show", dev], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)[0]["address"]
+
+
+def _send_raw(dev, frame):
+    import socket
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+        s.bind((dev, 0))
+        s.send(frame)
 
 
 def cli(*args, check=True):
@@ -137,6 +145,34 @@ def test_load_spray_feedback_unload(pair):
     assert after[victim["ev"]]["state"] == "DENIED"
     listed = json.loads(cli("ev", "list", "--state", "DENIED", "--json", "--instance", pair["ia"]).stdout)
     assert [r["ev"] for r in listed] == [victim["ev"]]
+
+    # B's side answers with ALWAYS_SKIP for one EV: A's ingress retires it at once and a
+    # backup of the same plane takes its slot; `mrc-xdp events` shows both changes.
+    target = next(r for r in stats(pair["ia"])["evs"] if r["role"] == "active" and r["state"] == "GOOD")
+    sack = wire.sack_frame(B_ADDR, A_ADDR, QA, 0, 0, target["ev"], m=SackM.ALWAYS_SKIP)
+    netns.run(pair["b"], _send_raw, "mrc0", sack)
+    time.sleep(0.2)
+    evs = [json.loads(l) for l in cli("events", "--json", "--instance", pair["ia"]).stdout.splitlines()]
+    bad = [e for e in evs if e["ev"] == target["ev"] and e["new"] == "ASSUMED_BAD"]
+    assert bad and bad[0]["reason"] == "SACK_ALWAYS", evs
+    repl = [e for e in evs if e["reason"] == "REPLACED" and e["other_ev"] == target["ev"]]
+    assert repl and repl[0]["plane"] == target["plane"], evs
+    now = {r["ev"]: r for r in stats(pair["ia"])["evs"]}
+    assert now[target["ev"]]["state"] == "ASSUMED_BAD" and now[target["ev"]]["role"] == "backup"
+    assert now[repl[0]["ev"]]["role"] == "active" and now[repl[0]["ev"]]["plane"] == target["plane"]
+
+    # stats --watch --json: one object per refresh, with live rates
+    tx = Sender("mrc0", A_ADDR, B_ADDR, QB, ns=pair["a"], payload=256)
+    proc = subprocess.Popen(CLI + ["stats", "--watch", "0.3", "--count", "2", "--json", "--instance", pair["ia"]],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        tx.send(3000, pps=5000)
+    finally:
+        tx.close()
+    out, _ = proc.communicate(timeout=30)
+    lines = [json.loads(l) for l in out.splitlines()]
+    assert len(lines) == 2 and all(l["interval_s"] > 0 for l in lines)
+    assert any(l["rates"].get("spray_tx", 0) > 0 for l in lines), lines
 
     for i in (pair["ia"], pair["ib"]):
         cli("unload", "--instance", i)
