@@ -40,7 +40,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["mrc_xdp", "mrc_xdp.*"]) + ["mrc_xdp.bpf"],
     package_dir={"mrc_xdp.bpf": "bpf"},
-    package_data={"mrc_xdp.bpf": ["*.h", "*.c"]},
+    package_data={"mrc_xdp.bpf": ["*.h", "*.c"], "mrc_xdp.lab": ["*.toml"]},
     include_package_data=False,
     zip_safe=False,
     # Debian packages provide these (python3-cffi, python3-pyroute2, python3-scapy) and

@@ -44,10 +44,18 @@ struct mrc_map_info {
     uint32_t type; uint32_t id; uint32_t key_size; uint32_t value_size;
     uint32_t max_entries; uint32_t map_flags; char name[16];
 };
-struct mrc_prog_info {
+struct mrc_prog_info {   /* uapi struct bpf_prog_info up to attach_btf_id (append-only ABI) */
     uint32_t type; uint32_t id; uint8_t tag[8]; uint32_t jited_prog_len; uint32_t xlated_prog_len;
     uint64_t jited_prog_insns; uint64_t xlated_prog_insns; uint64_t load_time;
     uint32_t created_by_uid; uint32_t nr_map_ids; uint64_t map_ids; char name[16];
+    uint32_t ifindex; uint32_t gpl_compatible_bits; uint64_t netns_dev; uint64_t netns_ino;
+    uint32_t nr_jited_ksyms; uint32_t nr_jited_func_lens; uint64_t jited_ksyms; uint64_t jited_func_lens;
+    uint32_t btf_id; uint32_t func_info_rec_size; uint64_t func_info;
+    uint32_t nr_func_info; uint32_t nr_line_info; uint64_t line_info; uint64_t jited_line_info;
+    uint32_t nr_jited_line_info; uint32_t line_info_rec_size; uint32_t jited_line_info_rec_size;
+    uint32_t nr_prog_tags; uint64_t prog_tags; uint64_t run_time_ns; uint64_t run_cnt;
+    uint64_t recursion_misses; uint32_t verified_insns; uint32_t attach_btf_obj_id; uint32_t attach_btf_id;
+    uint32_t pad;
 };
 struct ring_buffer;
 typedef int (*ring_buffer_sample_fn)(void *ctx, void *data, size_t size);
