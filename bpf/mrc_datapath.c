@@ -72,6 +72,26 @@ static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *ci
 	return 0;
 }
 
+/* Parse and count: -1 = an MRC frame, go on; else the verdict, already counted
+ * (not MRC: XDP_PASS, byte-for-byte unchanged; malformed MRC: XDP_DROP). */
+static __always_inline int classify(struct xdp_md *ctx, struct mrc_pkt *p, __u16 port,
+				    int allow_encap, __u32 non_mrc_ctr)
+{
+	__u32 reason;
+	int rc = mrc_parse(ctx, p, port, allow_encap, &reason);
+
+	if (rc == MRC_P_OK)
+		return -1;
+	if (rc == MRC_P_NOT) {
+		ctr_inc(non_mrc_ctr);
+		if (reason < MRC_C_MAX)
+			ctr_inc(reason);
+		return XDP_PASS;
+	}
+	ctr_inc(reason);
+	return XDP_DROP;
+}
+
 /* Traffic class = DSCP << 2 | ECN, split over the first two IPv6 header bytes. */
 static __always_inline void set_tc(struct ipv6hdr *ip6, __u8 tc)
 {
@@ -93,7 +113,7 @@ int mrc_spray(struct xdp_md *ctx)
 	struct ipv6hdr *ip6;
 	struct udphdr *udp;
 	void *data, *data_end;
-	__u32 reason, cid, slot, plane, k;
+	__u32 cid, slot, plane, k;
 	__u16 old_sport, new_sport;
 	__u8 tc;
 	int rc;
@@ -101,17 +121,9 @@ int mrc_spray(struct xdp_md *ctx)
 	if (!cfg)
 		return XDP_PASS;
 	ctr_inc(MRC_C_SPRAY_RX);
-	rc = mrc_parse(ctx, &p, cfg->udp_port, 0, &reason);
-	if (rc == MRC_P_NOT) {
-		ctr_inc(MRC_C_SPRAY_NON_MRC);
-		if (reason < MRC_C_MAX)
-			ctr_inc(reason);
-		return XDP_PASS;
-	}
-	if (rc == MRC_P_BAD) {
-		ctr_inc(reason);
-		return XDP_DROP;
-	}
+	rc = classify(ctx, &p, cfg->udp_port, 0, MRC_C_SPRAY_NON_MRC);
+	if (rc >= 0)
+		return rc;
 	if (p.udp_len - 6 >= MRC_ICRC_TBL_LEN) {
 		ctr_inc(MRC_C_BAD_TOO_LONG);
 		return XDP_DROP;
@@ -392,23 +404,15 @@ int mrc_ingress(struct xdp_md *ctx)
 	struct mrc_config *cfg = cfg_get();
 	struct mrc_pkt p = {};
 	void *data, *data_end;
-	__u32 reason, k;
+	__u32 k;
 	int rc;
 
 	if (!cfg)
 		return XDP_PASS;
 	ctr_inc(MRC_C_ING_RX);
-	rc = mrc_parse(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, &reason);
-	if (rc == MRC_P_NOT) {
-		ctr_inc(MRC_C_ING_NON_MRC);
-		if (reason < MRC_C_MAX)
-			ctr_inc(reason);
-		return XDP_PASS;
-	}
-	if (rc == MRC_P_BAD) {
-		ctr_inc(reason);
-		return XDP_DROP;
-	}
+	rc = classify(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, MRC_C_ING_NON_MRC);
+	if (rc >= 0)
+		return rc;
 
 	if (p.outer) {
 		struct mrc_plane *pl;

@@ -50,6 +50,7 @@ except ImportError:  # Python 3.10 and older
     import tomli as tomllib
 
 from .shared import const
+from .validate import int_in, no_unknown_keys
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
@@ -67,11 +68,7 @@ def _ipv6(v, key) -> str:
 
 
 def _int(v, key, lo, hi) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError("%s: %r is not an integer" % (key, v))
-    if not lo <= v <= hi:
-        raise ConfigError("%s: %d is out of range [%d, %d]" % (key, v, lo, hi))
-    return v
+    return int_in(v, key, lo, hi, ConfigError)
 
 
 def _str(v, key) -> str:
@@ -87,10 +84,7 @@ def _mac(v, key) -> str:
 
 
 def _unknown(d: dict, allowed: set, where: str):
-    extra = sorted(set(d) - allowed)
-    if extra:
-        raise ConfigError("%s: unknown key %r (allowed: %s)" % (where or "config", extra[0],
-                                                               ", ".join(sorted(allowed))))
+    no_unknown_keys(d, allowed, where, ConfigError)
 
 
 @dataclass

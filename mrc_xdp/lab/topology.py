@@ -54,6 +54,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from ..validate import int_in, no_unknown_keys
+
 try:
     import tomllib
 except ImportError:  # Python 3.10 and older
@@ -334,11 +336,7 @@ class Topology:
 
 # ---------------------------------------------------------------- parsing
 def _int(v, key, lo, hi) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TopologyError("%s: %r is not an integer" % (key, v))
-    if not lo <= v <= hi:
-        raise TopologyError("%s: %d is out of range [%d, %d]" % (key, v, lo, hi))
-    return v
+    return int_in(v, key, lo, hi, TopologyError)
 
 
 def _table(d, key) -> dict:
@@ -349,10 +347,7 @@ def _table(d, key) -> dict:
 
 
 def _unknown(d: dict, allowed: set, where: str) -> None:
-    extra = sorted(set(d) - allowed)
-    if extra:
-        raise TopologyError("%s: unknown key %r (allowed: %s)" % (
-            where + "." + extra[0] if where else extra[0], extra[0], ", ".join(sorted(allowed))))
+    no_unknown_keys(d, allowed, where, TopologyError)
 
 
 def _network(v, key, maxlen) -> ipaddress.IPv6Network:
