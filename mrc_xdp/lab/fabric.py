@@ -384,6 +384,8 @@ def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dic
         if os.path.isdir(d):
             shutil.rmtree(d, ignore_errors=True)
             pins.append(d)
+    with contextlib.suppress(OSError):      # the shared /sys/fs/bpf/mrc, once empty
+        os.rmdir(os.path.dirname(pin_dir(prefix)))
     had_state = False
     for n in sorted(names):            # host datapath instances' state (loader)
         with contextlib.suppress(FileNotFoundError):
