@@ -289,6 +289,28 @@ def cmd_events(args):
 
 # ---------------------------------------------------------------- misc
 
+def cmd_metrics(args):
+    from . import metrics, maps
+    if args.once:
+        names = None if args.instance is None else [args.instance]
+        if names is None and not maps.instances():
+            raise CliError("nothing loaded (run `mrc-xdp load --config FILE`)")
+        sys.stdout.write(metrics.render(names))
+        return
+    host, _, port = args.listen.rpartition(":")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise CliError("--listen %r: expected HOST:PORT, e.g. 127.0.0.1:9417" % args.listen) from None
+    host = host.strip("[]") or "127.0.0.1"
+    print("serving Prometheus metrics on http://%s:%d/metrics (Ctrl-C to stop)" % (host, port_n),
+          file=sys.stderr, flush=True)
+    try:
+        metrics.serve(host, port_n, args.seconds)
+    except OSError as e:
+        raise CliError("--listen %s: %s" % (args.listen, e.strerror or e)) from None
+
+
 def cmd_version(args):
     from .shared import CONSTS
     v = {"mrc-xdp": _version(), "kernel": os.uname().release,
@@ -374,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
     sp.add_argument("--seconds", type=float, help="with --follow: stop after this long")
     sp.set_defaults(fn=cmd_events)
+
+    sp = sub.add_parser("metrics", help="Prometheus metrics of every loaded instance (HTTP or --once)",
+                        description="Serve GET /metrics in Prometheus text format, read live from the pinned "
+                        "maps of every loaded instance: counters by name, per-EV packets, feedback and state.")
+    sp.add_argument("--listen", default="127.0.0.1:9417", help="HOST:PORT to serve on (default 127.0.0.1:9417)")
+    sp.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
+    sp.add_argument("--instance", "-i", help="with --once: only this instance")
+    sp.add_argument("--seconds", type=float, help="stop serving after this long")
+    sp.set_defaults(fn=cmd_metrics)
 
     sp = sub.add_parser("version", help="version and datapath limits")
     js(sp)

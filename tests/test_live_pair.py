@@ -174,6 +174,28 @@ def test_load_spray_feedback_unload(pair):
     assert len(lines) == 2 and all(l["interval_s"] > 0 for l in lines)
     assert any(l["rates"].get("spray_tx", 0) > 0 for l in lines), lines
 
+    # the metrics endpoint serves the same numbers over HTTP (loopback)
+    import urllib.request
+    port = 19417 + os.getpid() % 1000
+    srv = subprocess.Popen(CLI + ["metrics", "--listen", "127.0.0.1:%d" % port, "--seconds", "20"],
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        body = None
+        for _ in range(50):
+            try:
+                body = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert body is not None, "metrics endpoint never answered"
+    finally:
+        srv.terminate()
+        srv.wait(timeout=10)
+    final = stats(pair["ia"])
+    want = 'mrc_counter_total{instance="%s",counter="spray_tx"} %d' % (pair["ia"], final["counters"]["spray_tx"])
+    assert want in body, body[:2000]
+    assert 'mrc_ev_state{instance="%s",conn=' % pair["ia"] in body and 'state="ASSUMED_BAD"} 1' in body
+
     for i in (pair["ia"], pair["ib"]):
         cli("unload", "--instance", i)
         assert not os.path.exists("/sys/fs/bpf/mrc/" + i)

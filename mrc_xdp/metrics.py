@@ -1,0 +1,89 @@
+"""Prometheus text exposition of every loaded instance, read live from the pins.
+
+`mrc-xdp metrics --listen 127.0.0.1:9417` serves GET /metrics; `--once` prints one
+scrape and exits.  Names:
+
+    mrc_counter_total{instance,counter}                 every enum mrc_ctr counter
+    mrc_ev_packets_total{instance,conn,ev,plane,t1,role} per-EV packets sent
+    mrc_ev_feedback_total{...,kind}                      sack / nack / ecn / trim / loss / skipped
+    mrc_ev_state{...,state}                              1 for the EV's current state
+    mrc_rx_ev_packets_total{instance,conn,ev}            received, per sender EV (ce too)
+"""
+from __future__ import annotations
+
+import http.server
+import socketserver
+
+from . import maps
+
+FEEDBACK = ("sack", "nack", "ecn", "trim", "loss", "skipped")
+
+
+def _labels(**kv) -> str:
+    return "{" + ",".join('%s="%s"' % (k, str(v).replace('"', '\\"')) for k, v in kv.items()) + "}"
+
+
+def render(instances: list[str] | None = None) -> str:
+    out = [
+        "# HELP mrc_counter_total MRC datapath counters (enum mrc_ctr), summed over CPUs.",
+        "# TYPE mrc_counter_total counter",
+    ]
+    ev_lines, fb_lines, st_lines, rx_lines = [], [], [], []
+    for name in instances if instances is not None else maps.instances():
+        with maps.Instance(name) as inst:
+            for k, v in inst.counters().items():
+                out.append("mrc_counter_total%s %d" % (_labels(instance=name, counter=k), v))
+            for r in inst.ev_table():
+                base = dict(instance=name, conn=r["conn_name"] or r["conn"], ev="%#010x" % r["ev"],
+                            plane=r["plane"], t1=r["t1"], role=r["role"])
+                ev_lines.append("mrc_ev_packets_total%s %d" % (_labels(**base), r["tx_pkts"]))
+                for kind in FEEDBACK:
+                    fb_lines.append("mrc_ev_feedback_total%s %d" % (_labels(**base, kind=kind), r[kind]))
+                st_lines.append("mrc_ev_state%s 1" % _labels(**base, state=r["state"]))
+            for r in inst.rx_evs():
+                lab = dict(instance=name, conn=r["conn"], ev="%#010x" % r["ev"])
+                rx_lines.append("mrc_rx_ev_packets_total%s %d" % (_labels(**lab), r["pkts"]))
+                rx_lines.append("mrc_rx_ev_ce_total%s %d" % (_labels(**lab), r["ce"]))
+    out += ["# HELP mrc_ev_packets_total Packets sprayed on each EV (path).",
+            "# TYPE mrc_ev_packets_total counter"] + ev_lines
+    out += ["# HELP mrc_ev_feedback_total Feedback attributed to each EV, by kind.",
+            "# TYPE mrc_ev_feedback_total counter"] + fb_lines
+    out += ["# HELP mrc_ev_state Current state of each EV (1 for the state it is in).",
+            "# TYPE mrc_ev_state gauge"] + st_lines
+    out += ["# HELP mrc_rx_ev_packets_total Data received per sender EV (mrc_rx_ev_ce_total: CE-marked).",
+            "# TYPE mrc_rx_ev_packets_total counter"] + rx_lines
+    return "\n".join(out) + "\n"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path.split("?")[0] != "/metrics":
+            self.send_error(404, "try /metrics")
+            return
+        try:
+            body = render().encode()
+            code = 200
+        except Exception as e:  # noqa: BLE001 - a scrape must answer, not kill the server
+            body = ("# scrape failed: %s\n" % e).encode()
+            code = 500
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt, *args):
+        pass
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def serve(host: str, port: int, max_seconds: float | None = None) -> None:
+    with Server((host, port), _Handler) as srv:
+        if max_seconds:
+            import threading
+            threading.Timer(max_seconds, srv.shutdown).start()
+        srv.serve_forever(poll_interval=0.2)
