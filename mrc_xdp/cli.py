@@ -86,8 +86,10 @@ def cmd_unload(args):
     if args.all and not names:
         raise CliError("nothing loaded")
     res = [loader.unload(n) for n in names]
-    _out(args, res, lambda rs: [print("unloaded %s: detached %s, pins removed" % (
-        r["instance"], ",".join(r["detached"]) or "nothing")) for r in rs])
+    _out(args, res, lambda rs: [print("unloaded %s: detached %s%s, pins removed" % (
+        r["instance"], ",".join(r["detached"]) or "nothing",
+        "; no longer tail-called from %s" % ",".join(r["unchained"]) if r["unchained"] else ""))
+        for r in rs])
 
 
 def _open(args):

@@ -4,7 +4,9 @@
 attaches spray to the fabric side of the mrc0 pair, ingress to every plane NIC and
 to_engine to mrc0, and pins every map and program under /sys/fs/bpf/mrc/<instance>/
 so the datapath outlives the loading process and any process can read it.
-``unload(instance)`` detaches exactly our programs and removes the pins and state.
+``unload(instance)`` detaches exactly our programs, deletes every entry of a pinned
+prog array (e.g. the lab link model's mrc_lnext) that tail-calls one of them, and
+removes the pins and state.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 
 from . import bpfsys, netns
 from .config import HostConfig
-from .maps import DATAPATH_MAPS, DevInfo, pin_dir, state_path, write_all
+from .maps import DATAPATH_MAPS, PIN_ROOT, DevInfo, pin_dir, state_path, write_all
 from .shared import CONSTS, MAP_NAMES
 
 PROGS = {"spray": MAP_NAMES["MRC_PROG_SPRAY"], "ingress": MAP_NAMES["MRC_PROG_INGRESS"],
@@ -25,6 +27,7 @@ PROGS = {"spray": MAP_NAMES["MRC_PROG_SPRAY"], "ingress": MAP_NAMES["MRC_PROG_IN
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
+BPF_MAP_TYPE_PROG_ARRAY = 3
 
 _icrc_rows_cache: list | None = None
 
@@ -175,6 +178,56 @@ def _detach(dev: str, expect_ids: set[int]) -> bool:
         return True
 
 
+def _map_type(fd: int) -> int | None:
+    """The map type of a BPF fd, None when it is not a map (a pinned program)."""
+    with open("/proc/self/fdinfo/%d" % fd) as f:
+        for line in f:
+            if line.startswith("map_type:"):
+                return int(line.split()[1])
+    return None
+
+
+def _pinned_prog_arrays() -> list[str]:
+    """Every PROG_ARRAY map pinned in a directory under /sys/fs/bpf/mrc/."""
+    out = []
+    try:
+        dirs = sorted(os.listdir(PIN_ROOT))
+    except FileNotFoundError:
+        return out
+    for d in dirs:
+        full = os.path.join(PIN_ROOT, d)
+        if not os.path.isdir(full):
+            continue
+        for name in sorted(os.listdir(full)):
+            path = os.path.join(full, name)
+            try:
+                fd = bpfsys.obj_get(path)
+            except OSError:
+                continue
+            try:
+                if _map_type(fd) == BPF_MAP_TYPE_PROG_ARRAY:
+                    out.append(path)
+            finally:
+                os.close(fd)
+    return out
+
+
+def unchain(prog_ids: set[int]) -> list[str]:
+    """Delete every entry of a pinned prog array that holds one of prog_ids (a lookup on
+    a prog array returns the program id), so nothing tail-calls those programs any more.
+    Returns the entries removed, as "<dir>/<map>[<index>]"."""
+    removed = []
+    if not prog_ids:
+        return removed
+    for path in _pinned_prog_arrays():
+        with contextlib.suppress(OSError), bpfsys.Map.open_pinned(path) as m:
+            for k in list(m.keys()):
+                v = m.lookup(k)
+                if v is not None and int.from_bytes(v[:4], "little") in prog_ids and m.delete(k):
+                    removed.append("%s[%d]" % (os.path.relpath(path, PIN_ROOT), int.from_bytes(k, "little")))
+    return removed
+
+
 def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
          xdp_mode: str = "auto", config_path: str | None = None, progress=None) -> dict:
     """Load the datapath for cfg; returns the state written to /run/mrc-xdp/<instance>.json."""
@@ -249,7 +302,7 @@ def unload(instance: str, quiet_missing: bool = False) -> dict:
     spath = state_path(instance)
     if not os.path.exists(pdir) and not os.path.exists(spath):
         if quiet_missing:
-            return {"instance": instance, "detached": [], "pins": False}
+            return {"instance": instance, "detached": [], "unchained": [], "pins": False}
         raise LoadError("instance %r is not loaded (nothing to unload)" % instance)
     try:
         with open(spath) as f:
@@ -262,6 +315,7 @@ def unload(instance: str, quiet_missing: bool = False) -> dict:
             fd = bpfsys.obj_get(os.path.join(pdir, "prog_" + key))
             ids.add(bpfsys.prog_info(fd).id)
             os.close(fd)
+    unchained = unchain(ids)
     detached = []
     devs = [state.get("app_dev"), state.get("fabric_dev")] + [p["dev"] for p in state.get("planes", [])]
     ns = state.get("netns")
@@ -276,4 +330,4 @@ def unload(instance: str, quiet_missing: bool = False) -> dict:
         os.unlink(spath)
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(pdir))   # /sys/fs/bpf/mrc when it is empty
-    return {"instance": instance, "detached": detached, "pins": True}
+    return {"instance": instance, "detached": detached, "unchained": unchained, "pins": True}
