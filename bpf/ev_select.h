@@ -63,11 +63,16 @@ static __always_inline int ev_try(__u32 cid, struct mrc_conn *c, struct mrc_rot 
 		r->slot = slot;
 		return 1;
 	}
-	if (e->state == MRC_EV_SKIP && r->nskip < MRC_SKIP_BATCH) {
-		e->state = MRC_EV_GOOD;
-		e->reason = MRC_R_SKIP_DONE;
-		r->skipped[r->nskip & (MRC_SKIP_BATCH - 1)] = slot;
-		r->nskip++;
+	if (e->state == MRC_EV_SKIP) {
+		if (r->nskip < MRC_SKIP_BATCH) {
+			e->state = MRC_EV_GOOD;
+			e->reason = MRC_R_SKIP_DONE;
+			e->losses = 0;
+			r->skipped[r->nskip & (MRC_SKIP_BATCH - 1)] = slot;
+			r->nskip++;
+		}
+	} else if (e->state == MRC_EV_ASSUMED_BAD && !r->bad1) {
+		r->bad1 = slot + 1;     /* retired but still in an active slot */
 	}
 	return 0;
 }
@@ -118,6 +123,7 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 	p0 = r->plane < nplanes ? r->plane : 0;
 	r->plane = p0 + 1 < nplanes ? p0 + 1 : 0;
 	r->nskip = 0;
+	r->bad1 = 0;
 	if (ev_try(cid, c, r, p0, n))
 		goto out;
 
@@ -138,6 +144,12 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 out:
 	if (r->nskip)
 		skips_done(cid, r);
+	/* A retired EV still in an active slot takes a GOOD backup of its plane now: a
+	 * replacement feedback could not make (lock busy, or no backup back then) is made
+	 * here.  A DENIED EV stays where the operator left it.  Costs a backup scan only
+	 * on packets that met one. */
+	if (r->bad1 && c->backup_per_plane && ev_replace(cid, c, r->bad1 - 1) > 0)
+		ctr_inc(MRC_C_SPRAY_SWAP);
 	return found ? r : 0;
 }
 

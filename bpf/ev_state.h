@@ -11,7 +11,8 @@
  * Slots [0, MRC_EV_ACTIVE_MAX) are active, plane p owning [p*n, (p+1)*n); backups of
  * plane p sit at MRC_EV_ACTIVE_MAX + [p*b, (p+1)*b).  A replacement swaps the two
  * entries (the retired EV becomes a backup, to be probed) and re-points mrc_evidx.
- * Every change is written to the mrc_events ring buffer.
+ * Every change the datapath makes is written to the mrc_events ring buffer (a full
+ * ring is counted as events_lost); operator changes from user space are not.
  */
 #ifndef MRC_EV_STATE_H
 #define MRC_EV_STATE_H
@@ -43,7 +44,8 @@ static __always_inline void ev_event(__u32 cid, __u32 slot, struct mrc_ev *e, __
 	ev.reason = reason;
 	ev.plane = e->plane;
 	ev.other_ev = other_ev;
-	mrc_events.ringbuf_output(&ev, sizeof(ev), 0);
+	if (mrc_events.ringbuf_output(&ev, sizeof(ev), 0))
+		ctr_inc(MRC_C_EVENTS_LOST);
 }
 
 static __always_inline void ev_set(__u32 cid, __u32 slot, struct mrc_ev *e, __u8 state,
@@ -130,6 +132,8 @@ static __always_inline void ev_retire(__u32 cid, struct mrc_conn *c, __u32 slot,
 		ctr_inc(MRC_C_ING_FB_REPLACED);
 	else if (r == 0)
 		ctr_inc(MRC_C_ING_FB_NO_BACKUP);
+	else
+		ctr_inc(MRC_C_ING_FB_BUSY);   /* spray swaps it in when it next meets the slot */
 }
 
 #endif

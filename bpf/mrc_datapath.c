@@ -72,14 +72,10 @@ static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *ci
 	return 0;
 }
 
-/* Parse and count: -1 = an MRC frame, go on; else the verdict, already counted
- * (not MRC: XDP_PASS, byte-for-byte unchanged; malformed MRC: XDP_DROP). */
-static __always_inline int classify(struct xdp_md *ctx, struct mrc_pkt *p, __u16 port,
-				    int allow_encap, __u32 non_mrc_ctr)
+/* Count a parse result: -1 = an MRC frame, go on; else the verdict (not MRC:
+ * XDP_PASS, byte-for-byte unchanged; malformed MRC: XDP_DROP). */
+static __always_inline int verdict(int rc, __u32 reason, __u32 non_mrc_ctr)
 {
-	__u32 reason;
-	int rc = mrc_parse(ctx, p, port, allow_encap, &reason);
-
 	if (rc == MRC_P_OK)
 		return -1;
 	if (rc == MRC_P_NOT) {
@@ -113,7 +109,7 @@ int mrc_spray(struct xdp_md *ctx)
 	struct ipv6hdr *ip6;
 	struct udphdr *udp;
 	void *data, *data_end;
-	__u32 cid, slot, plane, k;
+	__u32 reason, cid, slot, plane, k;
 	__u16 old_sport, new_sport;
 	__u8 tc;
 	int rc;
@@ -121,7 +117,8 @@ int mrc_spray(struct xdp_md *ctx)
 	if (!cfg)
 		return XDP_PASS;
 	ctr_inc(MRC_C_SPRAY_RX);
-	rc = classify(ctx, &p, cfg->udp_port, 0, MRC_C_SPRAY_NON_MRC);
+	rc = mrc_parse(ctx, &p, cfg->udp_port, 0, &reason);
+	rc = verdict(rc, reason, MRC_C_SPRAY_NON_MRC);
 	if (rc >= 0)
 		return rc;
 	if (p.udp_len - 6 >= MRC_ICRC_TBL_LEN) {
@@ -184,27 +181,6 @@ int mrc_spray(struct xdp_md *ctx)
 		ctr_inc(MRC_C_SPRAY_ICRC_FIX);
 	}
 
-	/* Remember which EV carried which PSN, for loss attribution from SACK bitmaps. */
-	if (mrc_is_data(p.opcode)) {
-		struct mrc_psn_ent *pe;
-
-		k = cid * MRC_PSN_RING + (p.psn & (MRC_PSN_RING - 1));
-		pe = mrc_psn.lookup(&k);
-		if (pe) {
-			pe->psn = p.psn;
-			pe->ev = e->ev;
-			pe->flags = MRC_PSNF_VALID;
-		}
-		ctr_inc(MRC_C_SPRAY_DATA);
-	} else {
-		ctr_inc(MRC_C_SPRAY_CTRL);
-	}
-	ec = evctr_of(cid, e);
-	if (ec) {
-		ec->tx_pkts++;
-		ec->tx_bytes += p.pkt_len;
-	}
-
 	if (cfg->mode == MRC_MODE_SRV6) {
 		struct mrc_srv6_tmpl *t;
 
@@ -222,6 +198,29 @@ int mrc_spray(struct xdp_md *ctx)
 		return XDP_DROP;
 	__builtin_memcpy(data, pl->dmac, 6);
 	__builtin_memcpy(data + 6, pl->smac, 6);
+
+	/* Only what is really sent is counted and remembered.  The PSN ring says which EV
+	 * carried which PSN, and when, for loss attribution from SACK bitmaps. */
+	if (mrc_is_data(p.opcode)) {
+		struct mrc_psn_ent *pe;
+
+		k = cid * MRC_PSN_RING + (p.psn & (MRC_PSN_RING - 1));
+		pe = mrc_psn.lookup(&k);
+		if (pe) {
+			pe->psn = p.psn;
+			pe->ev = e->ev;
+			pe->flags = MRC_PSNF_VALID;
+			pe->sent_us = bpf_ktime_get_ns() >> 10;
+		}
+		ctr_inc(MRC_C_SPRAY_DATA);
+	} else {
+		ctr_inc(MRC_C_SPRAY_CTRL);
+	}
+	ec = evctr_of(cid, e);
+	if (ec) {
+		ec->tx_pkts++;
+		ec->tx_bytes += p.pkt_len;
+	}
 	ctr_inc(MRC_C_SPRAY_TX);
 	ctr_add(MRC_C_SPRAY_BYTES, (long)data_end - (long)data);
 	return mrc_ports.redirect_map(plane, 0);
@@ -249,13 +248,15 @@ static __always_inline int highest_bit(__u64 x)
 
 /*
  * Holes in the SACK bitmap at least loss_reorder PSNs below the newest SACKed PSN are
- * losses; the PSN ring names the EV that carried each.  Each send is counted once.
+ * losses; the PSN ring names the EV that carried each.  Each send is counted once, and
+ * (RACK) only if it was sent before the packet that triggered this SACK: a hole whose
+ * retransmission is still in flight is not blamed on the retransmission's EV.
  */
 static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
-					__u32 cack, __u32 base, __u64 bitmap)
+					__u32 cack, __u32 base, __u64 bitmap, __u32 acked)
 {
 	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, hi, k, psn, retire, *slotp;
+	__u32 nlost = 0, i, hi, k, psn, retire, ack_us, *slotp;
 	struct mrc_evidx_key key = { .conn = cid };
 	struct mrc_psn_ent *pe;
 	struct mrc_ev_ctr *ec;
@@ -263,6 +264,13 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 
 	if (!bitmap)
 		return;
+	/* When the acked packet was sent; unknown: now, so no hole counts as in flight
+	 * (one value either way keeps the loop below verified once). */
+	ack_us = bpf_ktime_get_ns() >> 10;
+	k = cid * MRC_PSN_RING + (acked & (MRC_PSN_RING - 1));
+	pe = mrc_psn.lookup(&k);
+	if (pe && pe->psn == acked && (pe->flags & MRC_PSNF_VALID))
+		ack_us = pe->sent_us;
 	hi = highest_bit(bitmap);
 	for (i = 0; i < 64; i++) {
 		if (i + cfg->loss_reorder > hi || nlost >= MRC_LOSS_BATCH)
@@ -276,6 +284,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		pe = mrc_psn.lookup(&k);
 		if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
 			continue;
+		if ((__s32)(pe->sent_us - ack_us) > 0)
+			continue;       /* (re)sent after the packet being acked: in flight */
 		pe->flags |= MRC_PSNF_LOST;
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
 		nlost++;
@@ -330,9 +340,11 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 	/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
 	if (p->opcode == MRC_OP_SACK) {
 		__u32 cack = get24(h + 13);
+		__s16 aoff = (__s16)(((__u16)h[2] << 8) | h[3]);
 		__s16 soff = (__s16)(((__u16)h[18] << 8) | h[19]);
 
-		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20));
+		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20),
+			    (cack + aoff) & 0xFFFFFF);
 	}
 	key.conn = cid;
 	key.ev = get32(h + 4);
@@ -352,6 +364,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 		if (ec)
 			ec->sack++;
+		e->losses = 0;          /* it delivered: losses count since the last delivery */
 		if (m == MRC_M_SKIP_ONCE) {
 			if (ec)
 				ec->ecn++;
@@ -365,7 +378,9 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 		if (ec)
 			ec->nack++;
-		if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
+		if (why == MRC_NACK_TRIMMED_LASTHOP)
+			ctr_inc(MRC_C_ING_NACK_LASTHOP);
+		if (why == MRC_NACK_TRIMMED) {
 			if (ec)
 				ec->trim++;
 			if (ev_skip(cid, slot, e, MRC_R_NACK_TRIM))
@@ -399,43 +414,51 @@ static __always_inline void count_rx_data(struct mrc_pkt *p)
 	}
 }
 
+/* Is the outer (SRv6) destination our SID on the plane this frame arrived on? */
+static __always_inline int srv6_sid_ours(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ipv6hdr *outer = data + MRC_ETH_LEN;
+	struct mrc_plane *pl;
+	__u32 k = ctx->ingress_ifindex, *pidx;
+
+	pidx = mrc_ifplane.lookup(&k);
+	if (!pidx)
+		return 0;
+	k = *pidx;
+	pl = mrc_planes.lookup(&k);
+	if (!pl || (void *)(outer + 1) > data_end)
+		return 0;
+	return addr_eq((__u8 *)&outer->daddr, pl->local_sid, 6);
+}
+
 int mrc_ingress(struct xdp_md *ctx)
 {
 	struct mrc_config *cfg = cfg_get();
 	struct mrc_pkt p = {};
 	void *data, *data_end;
-	__u32 k;
+	__u32 reason;
 	int rc;
 
 	if (!cfg)
 		return XDP_PASS;
 	ctr_inc(MRC_C_ING_RX);
-	rc = classify(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, MRC_C_ING_NON_MRC);
+	rc = mrc_parse(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, &reason);
+	/* SRv6 transit (not our SID) is none of our business, whatever it carries. */
+	if (p.outer && rc != MRC_P_NOT && !srv6_sid_ours(ctx)) {
+		ctr_inc(MRC_C_ING_NOT_OURS);
+		return XDP_PASS;
+	}
+	rc = verdict(rc, reason, MRC_C_ING_NON_MRC);
 	if (rc >= 0)
 		return rc;
-
+	/* Checked before decapsulation, so what is not ours leaves unchanged. */
+	if (!addr_eq(p.daddr, cfg->local_addr, 16)) {
+		ctr_inc(MRC_C_ING_NOT_OURS);
+		return XDP_PASS;
+	}
 	if (p.outer) {
-		struct mrc_plane *pl;
-		struct ipv6hdr *outer;
-		__u32 *pidx;
-
-		k = ctx->ingress_ifindex;
-		pidx = mrc_ifplane.lookup(&k);
-		if (!pidx) {
-			ctr_inc(MRC_C_ING_NOT_OURS);
-			return XDP_PASS;
-		}
-		k = *pidx;
-		pl = mrc_planes.lookup(&k);
-		data = (void *)(long)ctx->data;
-		data_end = (void *)(long)ctx->data_end;
-		outer = data + MRC_ETH_LEN;
-		if (!pl || (void *)(outer + 1) > data_end)
-			return XDP_PASS;
-		if (!addr_eq((__u8 *)&outer->daddr, pl->local_sid, 6)) {
-			ctr_inc(MRC_C_ING_NOT_OURS);
-			return XDP_PASS;
-		}
 		rc = srv6_decap(ctx);
 		if (rc < 0) {
 			ctr_inc(MRC_C_BAD_SRV6);
@@ -445,15 +468,13 @@ int mrc_ingress(struct xdp_md *ctx)
 			ctr_inc(MRC_C_ING_CE_COPY);
 			p.tc |= 3;
 		}
+		/* Now a plain frame: the same constant offsets as one that came plain, so
+		 * the verifier walks what follows once, not once per kind of frame. */
 		p.outer = 0;
-		p.l3_off -= MRC_IPV6_LEN;
-		p.udp_off -= MRC_IPV6_LEN;
+		p.l3_off = MRC_ETH_LEN;
+		p.udp_off = MRC_ETH_LEN + MRC_IPV6_LEN;
 		p.pkt_len -= MRC_IPV6_LEN;
 		ctr_inc(MRC_C_ING_DECAP);
-	}
-	if (!addr_eq(p.daddr, cfg->local_addr, 16)) {
-		ctr_inc(MRC_C_ING_NOT_OURS);
-		return XDP_PASS;
 	}
 
 	if (mrc_is_data(p.opcode)) {

@@ -98,7 +98,8 @@ enum mrc_ev_state {
 enum mrc_ev_reason {
 	MRC_R_NONE        = 0,
 	MRC_R_SACK_SKIP   = 1,   /* SACK M=SKIP_ONCE: forward path ECN-marked */
-	MRC_R_NACK_TRIM   = 2,   /* NACK TRIMMED / TRIMMED_LASTHOP */
+	MRC_R_NACK_TRIM   = 2,   /* NACK TRIMMED (TRIMMED_LASTHOP is counted only: last-hop
+	                          * congestion hits every EV, skipping one cannot help) */
 	MRC_R_SACK_ALWAYS = 3,   /* SACK M=ALWAYS_SKIP */
 	MRC_R_LOSS        = 4,   /* SACK bitmap hole older than loss_reorder */
 	MRC_R_SKIP_DONE   = 5,   /* SKIP consumed by one rotation */
@@ -242,7 +243,7 @@ struct mrc_rot {
 	__u32 slot;                     /* the slot ev_select() chose for this packet */
 	__u32 nskip;                    /* SKIP EVs passed over by this packet ... */
 	__u32 skipped[MRC_SKIP_BATCH];  /* ... and their slots */
-	__u32 pad;                      /* p[] 8-byte aligned: each is read as one __u64 */
+	__u32 bad1;                     /* an ASSUMED_BAD active slot met (slot + 1), to swap */
 	struct mrc_rot_plane p[MRC_MAX_PLANES];
 };
 
@@ -255,7 +256,8 @@ struct mrc_psn_ent {
 	__u32 psn;
 	__u32 ev;
 	__u32 flags;            /* MRC_PSNF_* */
-	__u32 pad;
+	__u32 sent_us;          /* (bpf_ktime_get_ns() >> 10) of this transmission: a hole is a
+	                         * loss only if sent before the packet that triggered the SACK */
 };
 #define MRC_PSNF_VALID 1
 #define MRC_PSNF_LOST  2
@@ -303,6 +305,7 @@ enum mrc_ctr {
 	MRC_C_SPRAY_ICRC_FIX,
 	MRC_C_SPRAY_CSUM_FIX,
 	MRC_C_SPRAY_SKIP,           /* SKIP EV passed over (and returned to GOOD) */
+	MRC_C_SPRAY_SWAP,           /* retired EV met in an active slot: a backup swapped in */
 	MRC_C_SPRAY_DATA,
 	MRC_C_SPRAY_CTRL,
 	MRC_C_ING_RX,               /* frames seen by ingress */
@@ -324,6 +327,8 @@ enum mrc_ctr {
 	MRC_C_ING_FB_BAD,
 	MRC_C_ING_FB_REPLACED,
 	MRC_C_ING_FB_NO_BACKUP,
+	MRC_C_ING_FB_BUSY,          /* replacement raced another CPU: spray retries it */
+	MRC_C_ING_NACK_LASTHOP,     /* NACK TRIMMED_LASTHOP: counted, no EV change */
 	MRC_C_ING_LOSS,
 	MRC_C_ENG_RX,               /* mrc0: frames arriving for the engine */
 	MRC_C_ENG_XSK,              /* redirected to an AF_XDP socket */
@@ -332,13 +337,14 @@ enum mrc_ctr {
 	MRC_C_BAD_TRUNC_UDP,
 	MRC_C_BAD_UDP_LEN,
 	MRC_C_BAD_TRUNC_BTH,
-	MRC_C_BAD_OPCODE,
 	MRC_C_BAD_TRUNC_EXT,
 	MRC_C_BAD_TOO_LONG,         /* beyond the ICRC update table */
 	MRC_C_BAD_SRV6,             /* SRv6 (ingress): outer length is not exactly the inner packet */
 	MRC_C_NON_MRC_VLAN,         /* subsets of NON_MRC, for the curious */
 	MRC_C_NON_MRC_IPV4,
 	MRC_C_NON_MRC_EXTHDR,
+	MRC_C_NON_MRC_ROCE,         /* UDP 4791 with a BTH opcode MRC does not use (plain RoCEv2) */
+	MRC_C_EVENTS_LOST,          /* EV events the ring buffer had no room for */
 	MRC_C_MAX,
 };
 

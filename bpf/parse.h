@@ -50,7 +50,7 @@ static __always_inline int mrc_is_imm(__u8 op)
 	return op == MRC_OP_WRITE_LAST_IMM || op == MRC_OP_WRITE_ONLY_IMM;
 }
 
-/* Bytes of BTH + extension headers for an opcode (TS: TSETH present), 0 if unknown. */
+/* Bytes of BTH + extension headers for an MRC opcode (TS: TSETH present). */
 static __always_inline __u32 mrc_ext_len(__u8 op, __u8 b8)
 {
 	if (mrc_is_data(op))
@@ -71,6 +71,13 @@ static __always_inline __u32 mrc_ext_len(__u8 op, __u8 b8)
 	if (op == MRC_OP_PROBE_REQ)
 		return MRC_BTH_LEN + MRC_PETH_LEN;
 	return 0;
+}
+
+static __always_inline int mrc_is_opcode(__u8 op)
+{
+	return mrc_is_data(op) || op == MRC_OP_ACK || op == MRC_OP_ENDPOINT_REQ ||
+	       op == MRC_OP_ENDPOINT_RESP || op == MRC_OP_SACK || op == MRC_OP_NACK ||
+	       op == MRC_OP_PROBE_REQ;
 }
 
 static __always_inline int ipv6_is_exthdr(__u8 nh)
@@ -141,6 +148,14 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		return MRC_P_NOT;
 	if (udp->dest != bpf_htons(udp_port))
 		return MRC_P_NOT;
+	/* UDP 4791 carries plain RoCEv2 too: it is MRC only with an MRC opcode. */
+	bth = (void *)(udp + 1);
+	if ((void *)(bth + 1) > data_end)
+		return MRC_P_NOT;
+	if (!mrc_is_opcode(bth[0])) {
+		*reason = MRC_C_NON_MRC_ROCE;
+		return MRC_P_NOT;
+	}
 
 	/* From here on it is MRC: every inconsistency is a named malformation. */
 	p->udp_off = p->l3_off + MRC_IPV6_LEN;
@@ -162,7 +177,6 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		*reason = MRC_C_BAD_TRUNC_BTH;
 		return MRC_P_BAD;
 	}
-	bth = (void *)(udp + 1);
 	if ((void *)(bth + MRC_BTH_LEN) > data_end) {  /* implied by the checks above */
 		*reason = MRC_C_BAD_TRUNC_BTH;
 		return MRC_P_BAD;
@@ -172,10 +186,6 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	p->dqpn = ((__u32)bth[5] << 16) | ((__u32)bth[6] << 8) | bth[7];
 	p->psn = ((__u32)bth[9] << 16) | ((__u32)bth[10] << 8) | bth[11];
 	p->ext_len = mrc_ext_len(p->opcode, p->b8);
-	if (!p->ext_len) {
-		*reason = MRC_C_BAD_OPCODE;
-		return MRC_P_BAD;
-	}
 	if (sizeof(*udp) + p->ext_len + MRC_ICRC_LEN > p->udp_len) {
 		*reason = MRC_C_BAD_TRUNC_EXT;
 		return MRC_P_BAD;

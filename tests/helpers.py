@@ -512,6 +512,10 @@ class Env:
         dqpn = conn.local_qpn if dqpn is None else dqpn
         if kind == "sack":
             kw.setdefault("cack_psn", 0)
+            bm = kw.get("bitmap", 0)
+            if bm and "ack_psn_offset" not in kw:
+                # a SACK answers its newest arrival: the highest PSN in the bitmap
+                kw["ack_psn_offset"] = kw.get("sack_offset", 0) + bm.bit_length() - 1
             return wire.sack_frame(src, dst, dqpn, 1, ev_echo=ev_echo, **kw)
         kw.setdefault("nack_psn", 0)
         return wire.nack_frame(src, dst, dqpn, 1, ev_echo=ev_echo, **kw)

@@ -92,7 +92,8 @@ def test_sack_skip_once_sits_out_exactly_one_rotation(ecmp):
         raise AssertionError("X never came back")
 
 
-NACK_CASES = [(r, r in (NackReason.TRIMMED, NackReason.TRIMMED_LASTHOP)) for r in NackReason] + \
+# TRIMMED_LASTHOP is counted only: last-hop congestion hits every EV alike.
+NACK_CASES = [(r, r == NackReason.TRIMMED) for r in NackReason] + \
     [(0x55, False), (0x00, False)]
 
 
@@ -110,7 +111,8 @@ def test_nack_reason(ecmp, reason, skips):
         assert (EvState(e.state), EvReason(e.reason)) == (EvState.SKIP, EvReason.NACK_TRIM)
         assert (c["nack"], c["trim"]) == (1, 1)
     else:
-        assert d == dict(ING_FB, ing_nack=1)
+        lasthop = {"ing_nack_lasthop": 1} if reason == NackReason.TRIMMED_LASTHOP else {}
+        assert d == dict(ING_FB, ing_nack=1, **lasthop)
         assert env.ev_table_bytes() == before
         assert (c["nack"], c["trim"]) == (1, 0)
         assert env.events() == []
@@ -476,3 +478,84 @@ def test_feedback_not_addressed_to_us_changes_nothing(ecmp):
     assert (xdp_name(ret), out) == ("PASS", f)
     assert d == {"ing_rx": 1, "ing_not_ours": 1}
     assert env.ev_table_bytes() == before
+
+
+# ------------------------------------------------------------------ review fixes
+
+def test_loss_not_blamed_on_the_retransmission_ev(ecmp):
+    """RACK: a hole whose retransmission is in flight is not a loss of the EV that
+    carries the retransmission; once a packet sent after the retransmission is SACKed
+    with the hole still open, it is."""
+    env = ecmp
+    carried = _spray_psns(env)
+    hole = PSN0
+    # the first SACK (answering the newest PSN) shows PSN0 missing: its EV is retired
+    d = _fb(env, "sack", carried[PSN0 + NPSN - 1], cack_psn=PSN0, bitmap=_sack_bitmap([0]))
+    assert d["ing_loss"] == 1 and env.state(CONN_A, carried[hole]) == EvState.ASSUMED_BAD
+    # PSN0 is retransmitted; it goes out on some other (GOOD) EV
+    ret, out = env.run("spray", data(hole, rtx=True))
+    rtx_ev = wire.ev_of_frame(out)
+    assert rtx_ev != carried[hole] and env.state(CONN_A, rtx_ev) == EvState.GOOD
+    # a SACK triggered by an older packet (sent before the retransmission) still shows
+    # the hole: not the retransmission's fault
+    d = _fb(env, "sack", carried[PSN0 + NPSN - 1], cack_psn=PSN0, bitmap=_sack_bitmap([0]),
+            ack_psn_offset=NPSN - 1)
+    assert "ing_loss" not in d
+    assert env.state(CONN_A, rtx_ev) == EvState.GOOD
+    # a packet sent after the retransmission is SACKed and the hole is still open: lost
+    newer = PSN0 + NPSN
+    ret, out = env.run("spray", data(newer))
+    d = _fb(env, "sack", wire.ev_of_frame(out), cack_psn=PSN0,
+            bitmap=_sack_bitmap([0], width=NPSN + 1), ack_psn_offset=NPSN)
+    assert d["ing_loss"] == 1
+    assert env.state(CONN_A, rtx_ev) == EvState.ASSUMED_BAD
+
+
+def _set_lock(env, cid, value):
+    from mrc_xdp import shared
+    raw = env.maps["mrc_conns"].lookup(cid)
+    c = shared.from_bytes("struct mrc_conn", raw)
+    c.lock = value
+    env.maps["mrc_conns"].update(cid, shared.to_bytes(c))
+
+
+def test_busy_lock_replacement_is_made_by_spray(ecmp):
+    """Another CPU holds the connection's swap lock when an EV is retired: counted
+    ing_fb_busy, and the next packet that meets the retired slot swaps a backup in."""
+    env = ecmp
+    x = _plane_ev(env, CONN_A, 0, 2)
+    slot = env.slot_of(CONN_A, x)
+    _set_lock(env, CONN_A, 1)
+    d = _fb(env, "sack", x, m=SackM.ALWAYS_SKIP)
+    assert d["ing_fb_bad"] == 1 and d["ing_fb_busy"] == 1 and "ing_fb_replaced" not in d
+    assert env.state(CONN_A, x) == EvState.ASSUMED_BAD and env.slot_of(CONN_A, x) == slot
+    _set_lock(env, CONN_A, 0)
+    before = env.counters().get("spray_swap", 0)
+    evs = env.spray_evs(4 * env.conn(CONN_A).ev_per_plane, psn0=2000)
+    assert x not in evs
+    assert env.counters()["spray_swap"] == before + 1
+    assert env.slot_of(CONN_A, x) >= ACTIVE_MAX                 # now a backup
+    repl = env.ev_at(CONN_A, slot)
+    assert repl.ev != x and EvState(repl.state) == EvState.GOOD and repl.plane == 0
+    assert repl.ev in evs
+
+
+def test_event_ring_overflow_is_counted(ecmp):
+    """A full ring buffer loses events: counted events_lost, never silently."""
+    env = ecmp
+    ring_bytes = const("MRC_EVENTS_BYTES")
+    per_event = 32 + 8                                   # struct mrc_event + ringbuf header
+    x = _plane_ev(env, CONN_A, 1, 1)
+    lost = 0
+    for i in range(ring_bytes // per_event + 64):        # SKIP and back: one event each time
+        e = env.ev(CONN_A, x)
+        e.state = EvState.GOOD
+        env.put_ev(CONN_A, env.slot_of(CONN_A, x), e)
+        _fb(env, "sack", x, m=SackM.SKIP_ONCE)
+        if i % 256 == 255:
+            lost = env.counters().get("events_lost", 0)
+            if lost:
+                break
+    lost = env.counters().get("events_lost", 0)
+    assert lost >= 1
+    env.events()                                          # drain for the next test

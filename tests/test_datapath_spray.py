@@ -242,7 +242,23 @@ def test_spray_srv6_missing_template_drops(srv6):
     srv6.maps["mrc_srv6"].update(0, bytes(shared.sizeof("struct mrc_srv6_tmpl")))
     ret, out, d = srv6.run_counted("spray", data(1))
     assert ret == XDP_DROP
-    assert d.get("spray_no_tmpl") == 1 and "spray_tx" not in d
+    assert d == {"spray_rx": 1, "spray_no_tmpl": 1, "spray_icrc_fix": 1}
+    # a dropped packet is neither counted as sent nor remembered as carrying its PSN
+    assert sum(srv6.evctr(CONN_A, ev)["tx_pkts"] for ev in srv6.active_evs(CONN_A)) == 0
+    assert srv6.psn_entry(CONN_A, 1).flags == 0
+
+
+@pytest.mark.parametrize("op", [0x04, 0x0A, 0x64, 0x81, 0xE0])
+def test_plain_rocev2_on_4791_is_not_mrc(ecmp, op):
+    """RoCEv2 RC/UD opcodes (SEND, RDMA WRITE ...) and others MRC does not use share
+    UDP 4791: they pass both programs byte-for-byte unchanged, counted non_mrc_roce."""
+    f = bytearray(data(1))
+    f[54 + 8] = op
+    f = bytes(f)
+    for prog, pre in (("spray", "spray"), ("ingress", "ing")):
+        ret, out, d = ecmp.run_counted(prog, f)
+        assert (xdp_name(ret), out, d) == ("PASS", f, {pre + "_rx": 1, pre + "_non_mrc": 1,
+                                                        "non_mrc_roce": 1})
 
 
 # ------------------------------------------------------------------ PSN -> EV ring
