@@ -178,6 +178,42 @@ def _detach(dev: str, expect_ids: set[int]) -> bool:
         return True
 
 
+_XDP_MODE_IDS = (("IFLA_XDP_DRV_PROG_ID", XDP_FLAGS_DRV_MODE), ("IFLA_XDP_SKB_PROG_ID", XDP_FLAGS_SKB_MODE))
+
+
+def _detach_ids(ids: set[int]) -> list[str]:
+    """Detach, from every device of the current netns, each XDP program whose id is in
+    ids (native and generic attachments alike). Returns the devices detached."""
+    from pyroute2 import IPRoute
+    out = []
+    if not ids:
+        return out
+    with IPRoute() as ipr:
+        for lk in ipr.get_links():
+            xdp = lk.get_attr("IFLA_XDP")
+            if not xdp:
+                continue
+            hits = [fl for attr, fl in _XDP_MODE_IDS if xdp.get_attr(attr) in ids]
+            if not hits and xdp.get_attr("IFLA_XDP_PROG_ID") in ids:   # kernels without per-mode ids
+                hits = [XDP_FLAGS_SKB_MODE if xdp.get_attr("IFLA_XDP_ATTACHED") == "xdpgeneric"
+                        else XDP_FLAGS_DRV_MODE]
+            for fl in hits:
+                with contextlib.suppress(Exception):
+                    ipr.link("set", index=lk["index"], xdp_fd=-1, xdp_flags=fl)
+                    out.append(lk.get_attr("IFLA_IFNAME"))
+    return out
+
+
+def _write_state(state: dict) -> None:
+    """Write /run/mrc-xdp/<instance>.json atomically (a crash leaves the old or the new)."""
+    path = state_path(state["instance"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, path)
+
+
 def _map_type(fd: int) -> int | None:
     """The map type of a BPF fd, None when it is not a map (a pinned program)."""
     with open("/proc/self/fdinfo/%d" % fd) as f:
@@ -234,10 +270,11 @@ def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
     say = progress or (lambda s: None)
     require_root()
     pdir = pin_dir(cfg.instance)
-    if os.path.exists(pdir):
+    if os.path.exists(pdir) or os.path.exists(state_path(cfg.instance)):
         if not force:
-            raise AlreadyLoaded("instance %r is already loaded — `mrc-xdp unload --instance %s` "
-                                "first, or pass --force to replace it" % (cfg.instance, cfg.instance))
+            raise AlreadyLoaded("instance %r is already loaded (or a load of it was interrupted) — "
+                                "`mrc-xdp unload --instance %s` first, or pass --force to replace it"
+                                % (cfg.instance, cfg.instance))
         unload(cfg.instance)
     t0 = time.monotonic()
     with _in(netns_name):
@@ -247,30 +284,9 @@ def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
     say("writing maps: %d connections, %d planes" % (len(cfg.connections), len(cfg.planes)))
     with _in(netns_name):   # devmap entries name ifindexes of the caller's netns
         dp.configure(cfg, dev)
-    os.makedirs(pdir, exist_ok=True)
-    try:
-        for name, mp in dp.maps.items():
-            bpfsys.obj_pin(mp.fd, os.path.join(pdir, name))
-        for key, fn in dp.fns.items():
-            bpfsys.obj_pin(fn.fd, os.path.join(pdir, "prog_" + key))
-        attached = {}
-        with _in(netns_name):
-            if force:
-                for d in [cfg.app_dev, cfg.fabric_dev] + [p.dev for p in cfg.planes]:
-                    _detach(d, set())
-            say("attaching: spray -> %s, ingress -> %s, to_engine -> %s" % (
-                cfg.fabric_dev, ",".join(p.dev for p in cfg.planes), cfg.app_dev))
-            attached[cfg.app_dev] = _attach(dp.fd("engine"), cfg.app_dev, xdp_mode)
-            attached[cfg.fabric_dev] = _attach(dp.fd("spray"), cfg.fabric_dev, xdp_mode)
-            for p in cfg.planes:
-                attached[p.dev] = _attach(dp.fd("ingress"), p.dev, xdp_mode)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            with _in(netns_name):
-                for d in [cfg.app_dev, cfg.fabric_dev] + [p.dev for p in cfg.planes]:
-                    _detach(d, {bpfsys.prog_info(fn.fd).id for fn in dp.fns.values()})
-        shutil.rmtree(pdir, ignore_errors=True)
-        raise
+    prog_ids = {k: bpfsys.prog_info(fn.fd).id for k, fn in dp.fns.items()}
+    # the state goes down before anything is pinned or attached: whatever happens from
+    # here on, `unload` finds the netns, the devices and the program ids
     state = {
         "instance": cfg.instance,
         "netns": netns_name,
@@ -281,22 +297,49 @@ def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
         "planes": [{"dev": p.dev, "ifindex": dev.planes[i][0], "gateway_mac": dev.planes[i][2]}
                    for i, p in enumerate(cfg.planes)],
         "ifindexes": ifindexes,
-        "xdp_modes": attached,
-        "prog_ids": {k: bpfsys.prog_info(fn.fd).id for k, fn in dp.fns.items()},
+        "xdp_modes": {},
+        "prog_ids": prog_ids,
         "connections": [{"name": c.name, "peer": c.peer, "local_qpn": c.local_qpn,
                          "remote_qpn": c.remote_qpn} for c in cfg.connections],
         "config_path": config_path,
-        "loaded_at": time.time(),
-        "load_seconds": round(time.monotonic() - t0, 3),
+        "complete": False,
     }
-    os.makedirs(os.path.dirname(state_path(cfg.instance)), exist_ok=True)
-    with open(state_path(cfg.instance), "w") as f:
-        json.dump(state, f, indent=1)
+    try:
+        _write_state(state)
+        os.makedirs(pdir, exist_ok=True)
+        for name, mp in dp.maps.items():
+            bpfsys.obj_pin(mp.fd, os.path.join(pdir, name))
+        for key, fn in dp.fns.items():
+            bpfsys.obj_pin(fn.fd, os.path.join(pdir, "prog_" + key))
+        attached = state["xdp_modes"]
+        with _in(netns_name):
+            if force:
+                for d in [cfg.app_dev, cfg.fabric_dev] + [p.dev for p in cfg.planes]:
+                    _detach(d, set())
+            say("attaching: spray -> %s, ingress -> %s, to_engine -> %s" % (
+                cfg.fabric_dev, ",".join(p.dev for p in cfg.planes), cfg.app_dev))
+            attached[cfg.app_dev] = _attach(dp.fd("engine"), cfg.app_dev, xdp_mode)
+            attached[cfg.fabric_dev] = _attach(dp.fd("spray"), cfg.fabric_dev, xdp_mode)
+            for p in cfg.planes:
+                attached[p.dev] = _attach(dp.fd("ingress"), p.dev, xdp_mode)
+        state.update(complete=True, loaded_at=time.time(), load_seconds=round(time.monotonic() - t0, 3))
+        _write_state(state)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            with _in(netns_name):
+                _detach_ids(set(prog_ids.values()))
+        shutil.rmtree(pdir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(state_path(cfg.instance))
+        raise
     return state
 
 
 def unload(instance: str, quiet_missing: bool = False) -> dict:
-    """Detach our programs, remove pins and state. Returns what was removed."""
+    """Detach our programs, remove pins and state. Returns what was removed.
+
+    Works from whatever a crash left: the program ids come from the state file and from
+    the pinned programs, and any device holding one of them is detached."""
     require_root()
     pdir = pin_dir(instance)
     spath = state_path(instance)
@@ -317,17 +360,18 @@ def unload(instance: str, quiet_missing: bool = False) -> dict:
             os.close(fd)
     unchained = unchain(ids)
     detached = []
-    devs = [state.get("app_dev"), state.get("fabric_dev")] + [p["dev"] for p in state.get("planes", [])]
-    ns = state.get("netns")
-    if ns is None or netns.exists(ns):
-        with _in(ns):
-            for d in filter(None, devs):
-                with contextlib.suppress(Exception):
-                    if _detach(d, ids):
-                        detached.append(d)
+    # every device of the recorded netns; without a state file naming it, the current
+    # netns and every named one (program ids are global: only ours match)
+    spaces = [state["netns"]] if "netns" in state else [None] + netns.list_names()
+    for ns in spaces:
+        if ns is not None and not netns.exists(ns):
+            continue
+        with contextlib.suppress(Exception), _in(ns):
+            detached += [d if ns is None or "netns" in state else "%s:%s" % (ns, d) for d in _detach_ids(ids)]
     shutil.rmtree(pdir, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(spath)
+    for f in (spath, spath + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(pdir))   # /sys/fs/bpf/mrc when it is empty
     return {"instance": instance, "detached": detached, "unchained": unchained, "pins": True}

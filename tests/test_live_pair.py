@@ -224,3 +224,50 @@ def test_cli_errors_are_one_line(tmp_path):
                     'app_dev = "nosuchmrc0"\n'.replace('app_dev = "nosuchmrc0"\n', ""))
     r = cli("load", "--config", str(good), "--instance", "t-nodev-%d" % os.getpid(), check=False)
     assert r.returncode == 1 and "no such device" in r.stderr, r.stderr
+
+
+def xdp_attached(ns):
+    out = subprocess.run(["ip", "-n", ns, "-d", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return out.count("prog/xdp")
+
+
+CRASH_AFTER_TWO_ATTACHES = """
+import os, sys
+from mrc_xdp import config, loader
+orig, n = loader._attach, [0]
+def attach(*a):
+    r = orig(*a)
+    n[0] += 1
+    if n[0] == 2:
+        os._exit(3)          # killed between attaching and finishing the state file
+    return r
+loader._attach = attach
+loader.load(config.HostConfig.from_toml(sys.argv[1]), netns_name=sys.argv[2])
+"""
+
+
+def test_unload_after_a_crash_midway_and_without_state_file(pair):
+    ns, inst = pair["a"], pair["ia"]
+    spath = "/run/mrc-xdp/%s.json" % inst
+    r = subprocess.run([sys.executable, "-c", CRASH_AFTER_TWO_ATTACHES, pair["ta"], ns],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    # the state was written before attaching: it names the netns, devices and programs
+    st = json.load(open(spath))
+    assert st["netns"] == ns and st["complete"] is False and len(st["prog_ids"]) == 3
+    assert xdp_attached(ns) == 2
+    # worst case: the state file is gone too; unload still finds our programs by id
+    os.unlink(spath)
+    r = cli("unload", "--instance", inst)
+    assert "mrc0" in r.stdout and "mrc0p" in r.stdout, r.stdout
+    assert xdp_attached(ns) == 0
+    assert not os.path.exists("/sys/fs/bpf/mrc/" + inst) and not os.path.exists(spath)
+
+    # a complete load whose state file was cut short: the same
+    cli("load", "--config", pair["ta"], "--netns", ns)
+    assert xdp_attached(ns) == 4
+    with open(spath, "w") as f:
+        f.write('{"instance": "%s", "net' % inst)
+    cli("unload", "--instance", inst)
+    assert xdp_attached(ns) == 0
+    assert not os.path.exists("/sys/fs/bpf/mrc/" + inst) and not os.path.exists(spath)
