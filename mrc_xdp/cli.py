@@ -65,11 +65,7 @@ def cmd_load(args):
 
     if not args.config:
         raise CliError("load needs --config FILE (see `mrc-xdp load --help` for the format)")
-    cfg = HostConfig.from_toml(args.config)
-    if args.instance:
-        cfg.instance = args.instance
-    if args.mode:
-        cfg.mode = args.mode
+    cfg = HostConfig.from_toml(args.config, {"instance": args.instance, "mode": args.mode})
     say = (lambda s: print("load: " + s, file=sys.stderr)) if not args.json else None
     st = loader.load(cfg, netns_name=args.netns, force=args.force, xdp_mode=args.xdp_mode,
                      config_path=os.path.abspath(args.config), progress=say)

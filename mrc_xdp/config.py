@@ -171,7 +171,9 @@ class HostConfig:
 
     # ------------------------------------------------------------ parsing
     @classmethod
-    def from_toml(cls, path: str) -> "HostConfig":
+    def from_toml(cls, path: str, overrides: dict | None = None) -> "HostConfig":
+        """Parse and validate a TOML file; overrides (e.g. {"mode": "srv6"} from the
+        command line) replace top-level keys before validation, so they are checked too."""
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -179,6 +181,7 @@ class HostConfig:
             raise ConfigError("%s: no such config file" % path) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("%s: not valid TOML: %s" % (path, e)) from None
+        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.from_dict(data)
 
     @classmethod

@@ -93,8 +93,8 @@ def _devinfo(cfg: HostConfig, force: bool) -> tuple[DevInfo, dict]:
     hint = "run `mrc-xdp lab up` or fix the device name in the config"
     names = {}
     with IPRoute() as ipr:
-        app = _link(ipr, cfg.app_dev, "create the mrc0 veth pair (app_dev) or pass --app-dev")
-        fab = _link(ipr, cfg.fabric_dev, "create the mrc0 veth pair (fabric_dev) or pass --fabric-dev")
+        app = _link(ipr, cfg.app_dev, "create the veth pair or set app_dev in the config")
+        fab = _link(ipr, cfg.fabric_dev, "create the veth pair or set fabric_dev in the config")
         planes = []
         for pl in cfg.planes:
             lk = _link(ipr, pl.dev, hint)

@@ -209,8 +209,14 @@ def test_load_spray_feedback_unload(pair):
 def test_cli_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('local_addr = "fd00::1"\n[[planes]]\ndev = "p0"\ngateway_mac = "zz"\n')
+    ecmp = tmp_path / "ecmp.toml"
+    ecmp.write_text('local_addr = "fd00::1"\n[[planes]]\ndev = "p0"\ngateway_mac = "02:00:00:00:00:01"\n'
+                    '[[connections]]\npeer = "fd00::2"\nlocal_qpn = 0x100\nremote_qpn = 0x200\n')
     for args, want in [
         (["load", "--config", str(bad)], "planes[0].gateway_mac"),
+        # command-line overrides are validated with the file, before anything is loaded
+        (["load", "--config", str(ecmp), "--mode", "srv6"], "planes[0].srv6_src: required in srv6 mode"),
+        (["load", "--config", str(ecmp), "--instance", "no/slash"], "instance: 'no/slash' must be"),
         (["load", "--config", str(tmp_path / "missing.toml")], "no such config file"),
         (["stats", "--instance", "no-such-instance"], "not loaded"),
         (["unload", "--instance", "no-such-instance"], "not loaded"),
