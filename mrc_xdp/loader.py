@@ -87,6 +87,20 @@ def _resolve_gateway(ipr, ifindex: int, gw: str, dev: str) -> str:
     raise LoadError("%s: gateway %s has no neighbour entry — ping it once or set gateway_mac" % (dev, gw))
 
 
+def _check_srv6_mtu(cfg: HostConfig, app, planes) -> None:
+    """Spray pushes an outer IPv6 header: a full-size frame from app_dev must still fit
+    every plane NIC, or the plane drops it silently."""
+    outer = CONSTS["MRC_IPV6_LEN"]
+    app_mtu = app.get_attr("IFLA_MTU")
+    lk = min(planes, key=lambda x: x.get_attr("IFLA_MTU"))    # the smallest plane MTU decides
+    mtu = lk.get_attr("IFLA_MTU")
+    if app_mtu + outer > mtu:
+        raise LoadError("%s: MTU %d + %d (SRv6 outer header) exceeds %s MTU %d — lower %s's MTU to %d "
+                        "or raise the plane MTU to %d" % (
+                            cfg.app_dev, app_mtu, outer, lk.get_attr("IFLA_IFNAME"), mtu,
+                            cfg.app_dev, mtu - outer, app_mtu + outer))
+
+
 def _devinfo(cfg: HostConfig, force: bool) -> tuple[DevInfo, dict]:
     from pyroute2 import IPRoute
 
@@ -103,6 +117,8 @@ def _devinfo(cfg: HostConfig, force: bool) -> tuple[DevInfo, dict]:
             names[pl.dev] = lk
         names[cfg.app_dev] = app
         names[cfg.fabric_dev] = fab
+        if cfg.mode == "srv6":
+            _check_srv6_mtu(cfg, app, [names[p.dev] for p in cfg.planes])
         for name, lk in names.items():
             pid = _xdp_prog_id(lk)
             if pid and not force:

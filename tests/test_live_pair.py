@@ -277,3 +277,32 @@ def test_unload_after_a_crash_midway_and_without_state_file(pair):
     cli("unload", "--instance", inst)
     assert xdp_attached(ns) == 0
     assert not os.path.exists("/sys/fs/bpf/mrc/" + inst) and not os.path.exists(spath)
+
+
+def srv6_toml(inst, local, peer, lq, rq, gw_macs):
+    planes = "".join('[[planes]]\ndev = "p%d"\ngateway_mac = "%s"\nsrv6_src = "fcbb:0:%d::a"\n'
+                     'local_sid = "fcbb:0:%d::a"\n\n' % (i, m, i, i) for i, m in enumerate(gw_macs))
+    return ('instance = "%s"\nmode = "srv6"\nlocal_addr = "%s"\n\n%s'
+            '[srv6_templates.peer]\nblock = "fcbb::"\nusids = [0x0b]\n\n'
+            '[[connections]]\npeer = "%s"\nlocal_qpn = %d\nremote_qpn = %d\ntemplate = "peer"\n'
+            % (inst, local, planes, peer, lq, rq))
+
+
+def test_srv6_load_refuses_an_app_mtu_the_planes_cannot_carry(pair, tmp_path):
+    ns = pair["a"]
+    cfg = tmp_path / "srv6.toml"
+    cfg.write_text(srv6_toml(pair["ia"], A_ADDR, B_ADDR, QA, QB, [mac_of(pair["b"], "p0"), mac_of(pair["b"], "p1")]))
+    sh(ns, "ip link set p1 mtu 1600")          # the smallest plane MTU is the one named
+    r = cli("load", "--config", str(cfg), "--netns", ns, check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("mrc-xdp: mrc0: MTU 1500 + 40 (SRv6 outer header) exceeds p0 MTU 1500 — "
+                                "lower mrc0's MTU to 1460 or raise the plane MTU to 1540"), r.stderr
+    assert not os.path.exists("/sys/fs/bpf/mrc/" + pair["ia"])
+    assert xdp_attached(ns) == 0
+    # the same config in ECMP mode has no outer header: no MTU constraint
+    r = cli("load", "--config", pair["ta"], "--netns", ns)
+    cli("unload", "--instance", pair["ia"])
+    sh(ns, "ip link set mrc0 mtu 1460")
+    r = cli("load", "--config", str(cfg), "--netns", ns, "--json")
+    assert json.loads(r.stdout)["mode"] == "srv6"
+    cli("unload", "--instance", pair["ia"])
