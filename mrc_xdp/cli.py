@@ -96,6 +96,11 @@ def _open(args):
 def cmd_status(args):
     from . import maps
     names = maps.instances()
+    if args.instance is not None:
+        if args.instance not in names:
+            raise CliError("instance %r is not loaded (%s)" % (
+                args.instance, "loaded: " + ", ".join(names) if names else "nothing is loaded"))
+        names = [args.instance]
     out = []
     for n in names:
         with maps.Instance(n) as inst:
@@ -108,9 +113,6 @@ def cmd_status(args):
             st["active_evs_by_state"] = by_state
             st["counters"] = {k: v for k, v in inst.counters().items() if v}
             out.append(st)
-    if args.instance != "default" or (args.instance == "default" and "default" in names):
-        sel = [s for s in out if s.get("instance") == args.instance]
-        out = sel or out
 
     def text(sts):
         if not sts:
@@ -153,6 +155,11 @@ def _parse_ev(s: str) -> int:
 def cmd_ev(args):
     from .shared import EvState
     with _open(args) as inst:
+        if args.conn is not None:
+            conns = inst.connections()
+            if args.conn not in [c["id"] for c in conns]:
+                raise CliError("--conn %d: no such connection in %s (connections: %s)" % (
+                    args.conn, inst.name, ", ".join("%d %s" % (c["id"], c["name"]) for c in conns) or "none"))
         if args.ev_cmd == "list":
             rows = inst.ev_table(args.conn)
             if args.state:
@@ -224,6 +231,10 @@ def _stats_text(s, all_counters=False):
 
 
 def cmd_stats(args):
+    if args.watch is not None and not args.watch > 0:
+        raise CliError("--watch %g: the refresh interval must be a number of seconds > 0" % args.watch)
+    if args.count is not None and args.count < 1:
+        raise CliError("--count %d: must be at least 1" % args.count)
     with _open(args) as inst:
         if not args.watch:
             s = _stats_obj(inst, None, _snapshot(inst))
@@ -358,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_unload)
 
     sp = sub.add_parser("status", help="what is loaded where, EV states, key counters")
-    inst(sp)
+    sp.add_argument("--instance", "-i", help="only this instance (default: every loaded instance)")
     js(sp)
     sp.set_defaults(fn=cmd_status)
 

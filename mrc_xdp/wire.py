@@ -20,19 +20,24 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import socket
 import struct
 import zlib
 
-from scapy.fields import (BitEnumField, BitField, ByteEnumField, ByteField, IntField,
+# scapy inspects the interfaces of the netns it is imported in and warns about each odd
+# one ("Interface lo: no address assigned" in a fresh namespace): only errors matter here
+logging.getLogger("scapy.runtime").setLevel(logging.ERROR)
+
+from scapy.fields import (BitEnumField, BitField, ByteEnumField, ByteField, IntField,  # noqa: E402
                           ShortField, SignedShortField, StrFixedLenField, XBitField,
                           XByteField, XIntField, XLongField, XShortField)
-from scapy.layers.inet import UDP
-from scapy.layers.inet6 import IPv6
-from scapy.layers.l2 import Ether
-from scapy.packet import Packet, bind_bottom_up, bind_layers
+from scapy.layers.inet import UDP  # noqa: E402
+from scapy.layers.inet6 import IPv6  # noqa: E402
+from scapy.layers.l2 import Ether  # noqa: E402
+from scapy.packet import Packet, bind_bottom_up, bind_layers  # noqa: E402
 
-from mrc_xdp.shared import CONSTS, NackReason, Opcode, SackM
+from mrc_xdp.shared import CONSTS, NackReason, Opcode, SackM  # noqa: E402
 
 UDP_PORT = CONSTS["MRC_UDP_PORT_DEFAULT"]
 ETH_LEN = CONSTS["MRC_ETH_LEN"]

@@ -91,6 +91,7 @@ def stats(inst):
 
 def test_load_spray_feedback_unload(pair):
     r = cli("load", "--config", pair["ta"], "--netns", pair["a"], "--json")
+    assert r.stderr == "", r.stderr
     st = json.loads(r.stdout)
     assert st["xdp_modes"] == {"mrc0": "native", "mrc0p": "native", "p0": "native", "p1": "native"}
     cli("load", "--config", pair["tb"], "--netns", pair["b"])
@@ -145,6 +146,9 @@ def test_load_spray_feedback_unload(pair):
     assert after[victim["ev"]]["state"] == "DENIED"
     listed = json.loads(cli("ev", "list", "--state", "DENIED", "--json", "--instance", pair["ia"]).stdout)
     assert [r["ev"] for r in listed] == [victim["ev"]]
+    r = cli("ev", "list", "--conn", "7", "--instance", pair["ia"], check=False)
+    assert r.returncode == 1 and r.stderr.strip() == "mrc-xdp: --conn 7: no such connection in %s " \
+        "(connections: 0 %s/%d)" % (pair["ia"], B_ADDR, QB), r.stderr
 
     # B's side answers with ALWAYS_SKIP for one EV: A's ingress retires it at once and a
     # backup of the same plane takes its slot; `mrc-xdp events` shows both changes.
@@ -220,6 +224,10 @@ def test_cli_errors_are_one_line(tmp_path):
         (["load", "--config", str(tmp_path / "missing.toml")], "no such config file"),
         (["stats", "--instance", "no-such-instance"], "not loaded"),
         (["unload", "--instance", "no-such-instance"], "not loaded"),
+        (["status", "--instance", "no-such-instance"], "instance 'no-such-instance' is not loaded"),
+        (["stats", "--watch", "-1"], "--watch -1: the refresh interval must be a number of seconds > 0"),
+        (["stats", "--watch", "0"], "--watch 0: the refresh interval"),
+        (["stats", "--watch", "--count", "0"], "--count 0: must be at least 1"),
     ]:
         r = cli(*args, check=False)
         assert r.returncode == 1, (args, r)
@@ -306,3 +314,16 @@ def test_srv6_load_refuses_an_app_mtu_the_planes_cannot_carry(pair, tmp_path):
     r = cli("load", "--config", str(cfg), "--netns", ns, "--json")
     assert json.loads(r.stdout)["mode"] == "srv6"
     cli("unload", "--instance", pair["ia"])
+
+
+def test_scapy_is_quiet_in_a_fresh_namespace():
+    """scapy warns about every address-less interface of the netns it is imported in
+    (lo in a fresh one); commands run with --netns must not print that."""
+    ns = "mrcq-%x" % os.getpid()
+    netns.create(ns)
+    try:
+        r = subprocess.run(["nsenter", "--net=/run/netns/" + ns, sys.executable, "-c", "import mrc_xdp.wire"],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        netns.delete(ns)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
