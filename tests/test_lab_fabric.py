@@ -216,6 +216,8 @@ def test_cli_status_and_errors(ecmp_lab, capsys):
         (["lab", "link", "set", "--prefix", prefix, "h0-p0t0s0", "loss"], "KEY VALUE pairs"),
         (["lab", "status", "--prefix", "tnope-"], "is not up"),
         (["lab", "exec", "--prefix", prefix, "h7", "--", "true"], "no node 'h7'"),
+        (["lab", "exec", "h0", "--prefix", prefix, "true"], "end exec's options with `--`"),
+        (["lab", "exec", "h0", "--bogus", "--", "true"], "unknown option --bogus"),
     ]:
         assert cli.main(argv) == 1
         err = capsys.readouterr().err
@@ -237,6 +239,12 @@ def test_cli_exec_runs_in_the_node_namespace(ecmp_lab):
                        capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     assert "t0s0" in r.stdout and "t0s1" in r.stdout and "mrc0" not in r.stdout
+    # exec's options may follow NODE, up to `--`; the command after it is passed verbatim
+    r = subprocess.run([sys.executable, "-m", "mrc_xdp.cli", "lab", "exec", "h0", "--prefix", prefix,
+                        "--", "sh", "-c", 'echo "$1 $2 $3"; ip -o link show mrc0', "sh", "--prefix", "--", "x"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "--prefix -- x" and "mrc0" in r.stdout, r.stdout
 
 
 # ------------------------------------------------------------------ lifecycle

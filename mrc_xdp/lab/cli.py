@@ -313,13 +313,36 @@ def cmd_status(args) -> int:
     return 0
 
 
+def exec_command(args) -> list[str]:
+    """The command of `exec NODE [--prefix P] -- CMD ...`.  argparse hands everything after
+    NODE over verbatim (so the command keeps its own options and `--`); exec's options
+    between NODE and the first `--` are parsed here (they update args)."""
+    rest = list(args.cmd)
+    if not rest or not rest[0].startswith("-"):
+        return rest                               # exec NODE CMD ...
+    if rest[0] == "--":
+        return rest[1:]
+    if "--" not in rest:
+        raise UsageError("exec: end exec's options with `--` before the command: "
+                         "exec NODE [--prefix P] -- CMD")
+    i = rest.index("--")
+    ap = argparse.ArgumentParser(prog="mrc-xdp lab exec", add_help=False, exit_on_error=False)
+    _prefix_option(ap, default=args.prefix)
+    try:
+        opts, unknown = ap.parse_known_args(rest[:i])
+    except argparse.ArgumentError as e:
+        raise UsageError("exec: %s" % e) from None
+    if unknown:
+        raise UsageError("exec: unknown option %s (exec takes --prefix P before `--`)" % unknown[0])
+    args.prefix = opts.prefix
+    return rest[i + 1:]
+
+
 def cmd_exec(args) -> int:
+    cmd = exec_command(args)
     st = fabric.load_state(args.prefix)
     if args.node not in st["nodes"]:
         raise UsageError("no node %r (nodes: %s)" % (args.node, ", ".join(st["nodes"])))
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
     if not cmd:
         cmd = [os.environ.get("SHELL", "/bin/sh")]
     from .. import netns
@@ -401,6 +424,12 @@ def _set_handler(p, fn) -> None:
     p.set_defaults(func=guarded, fn=exiting)
 
 
+def _prefix_option(p, default=None) -> None:
+    p.add_argument("--prefix", default=default or default_prefix(),
+                   help="lab name prefix for namespaces and pins (default %(default)s; env "
+                        + ENV_PREFIX + ")")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add `lab` and its subcommands to the main CLI's subparsers."""
     lab = subparsers.add_parser("lab", help="multi-plane fabric of network namespaces",
@@ -409,9 +438,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub.required = True
 
     def common(p):
-        p.add_argument("--prefix", default=default_prefix(),
-                       help="lab name prefix for namespaces and pins (default %(default)s; env "
-                            + ENV_PREFIX + ")")
+        _prefix_option(p)
         return p
 
     p = common(sub.add_parser("up", help="build the lab (idempotent)"))
@@ -427,9 +454,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _set_handler(p, cmd_status)
 
-    p = common(sub.add_parser("exec", help="run a command in a node's namespace: exec NODE -- CMD"))
+    p = common(sub.add_parser("exec", help="run a command in a node's namespace: exec NODE -- CMD",
+                              usage="%(prog)s [--prefix P] NODE [--prefix P] [-- CMD [ARG ...]]",
+                              description="Run CMD (default: $SHELL) in NODE's network namespace. "
+                              "Options of exec go before `--`; everything after it is the command, "
+                              "passed on verbatim."))
     p.add_argument("node")
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
     _set_handler(p, cmd_exec)
 
     lk = sub.add_parser("link", help="link model settings")
