@@ -21,6 +21,8 @@ PIN_ROOT = "/sys/fs/bpf/mrc"
 STATE_DIR = "/run/mrc-xdp"
 
 SLOTS = const("MRC_EV_SLOTS")
+MAX_CONNS = const("MRC_MAX_CONNS")
+UNKNOWN_CONN = "unknown"      # name of the connection id MRC_MAX_CONNS: no known connection
 ACTIVE_MAX = const("MRC_EV_ACTIVE_MAX")
 DATAPATH_MAPS = sorted(v for k, v in MAP_NAMES.items() if k.startswith("MRC_MAP_"))
 
@@ -251,12 +253,16 @@ class Instance:
         return rows
 
     def rx_evs(self) -> list[dict]:
+        """Data received per (connection, sender EV).  conn MRC_MAX_CONNS counts data of no
+        known connection: its conn_name is "unknown"."""
         mp = self.map("mrc_rxev")
+        names = {c["id"]: c["name"] for c in self.connections()}
         out = []
         for k, vals in mp.items():
             key = ffi.cast("struct mrc_evidx_key *", ffi.from_buffer(k))
             pk, by, ce = bpfsys.sum_u64_percpu(vals, 3)
-            out.append({"conn": key.conn, "ev": key.ev, "pkts": pk, "bytes": by, "ce": ce})
+            name = UNKNOWN_CONN if key.conn == MAX_CONNS else names.get(key.conn, str(key.conn))
+            out.append({"conn": key.conn, "conn_name": name, "ev": key.ev, "pkts": pk, "bytes": by, "ce": ce})
         return sorted(out, key=lambda r: (r["conn"], r["ev"]))
 
     # -- operator actions

@@ -7,7 +7,11 @@ scrape and exits.  Names:
     mrc_ev_packets_total{instance,conn,ev,plane,t1,role} per-EV packets sent
     mrc_ev_feedback_total{...,kind}                      sack / nack / ecn / trim / loss / skipped
     mrc_ev_state{...,state}                              1 for the EV's current state
-    mrc_rx_ev_packets_total{instance,conn,ev}            received, per sender EV (ce too)
+    mrc_rx_ev_packets_total{instance,conn,ev}            data received, per sender EV
+    mrc_rx_ev_ce_total{instance,conn,ev}                 of which CE-marked
+
+conn is the connection's name everywhere ("unknown": data of no known connection).
+Each metric's samples follow its own HELP and TYPE lines, as the exposition format asks.
 """
 from __future__ import annotations
 
@@ -28,30 +32,32 @@ def render(instances: list[str] | None = None) -> str:
         "# HELP mrc_counter_total MRC datapath counters (enum mrc_ctr), summed over CPUs.",
         "# TYPE mrc_counter_total counter",
     ]
-    ev_lines, fb_lines, st_lines, rx_lines = [], [], [], []
+    ev_lines, fb_lines, st_lines, rx_lines, ce_lines = [], [], [], [], []
     for name in instances if instances is not None else maps.instances():
         with maps.Instance(name) as inst:
             for k, v in inst.counters().items():
                 out.append("mrc_counter_total%s %d" % (_labels(instance=name, counter=k), v))
             for r in inst.ev_table():
-                base = dict(instance=name, conn=r["conn_name"] or r["conn"], ev="%#010x" % r["ev"],
+                base = dict(instance=name, conn=r["conn_name"], ev="%#010x" % r["ev"],
                             plane=r["plane"], t1=r["t1"], role=r["role"])
                 ev_lines.append("mrc_ev_packets_total%s %d" % (_labels(**base), r["tx_pkts"]))
                 for kind in FEEDBACK:
                     fb_lines.append("mrc_ev_feedback_total%s %d" % (_labels(**base, kind=kind), r[kind]))
                 st_lines.append("mrc_ev_state%s 1" % _labels(**base, state=r["state"]))
             for r in inst.rx_evs():
-                lab = dict(instance=name, conn=r["conn"], ev="%#010x" % r["ev"])
+                lab = dict(instance=name, conn=r["conn_name"], ev="%#010x" % r["ev"])
                 rx_lines.append("mrc_rx_ev_packets_total%s %d" % (_labels(**lab), r["pkts"]))
-                rx_lines.append("mrc_rx_ev_ce_total%s %d" % (_labels(**lab), r["ce"]))
+                ce_lines.append("mrc_rx_ev_ce_total%s %d" % (_labels(**lab), r["ce"]))
     out += ["# HELP mrc_ev_packets_total Packets sprayed on each EV (path).",
             "# TYPE mrc_ev_packets_total counter"] + ev_lines
     out += ["# HELP mrc_ev_feedback_total Feedback attributed to each EV, by kind.",
             "# TYPE mrc_ev_feedback_total counter"] + fb_lines
     out += ["# HELP mrc_ev_state Current state of each EV (1 for the state it is in).",
             "# TYPE mrc_ev_state gauge"] + st_lines
-    out += ["# HELP mrc_rx_ev_packets_total Data received per sender EV (mrc_rx_ev_ce_total: CE-marked).",
+    out += ["# HELP mrc_rx_ev_packets_total Data packets received, per sender EV.",
             "# TYPE mrc_rx_ev_packets_total counter"] + rx_lines
+    out += ["# HELP mrc_rx_ev_ce_total Data packets received CE-marked, per sender EV.",
+            "# TYPE mrc_rx_ev_ce_total counter"] + ce_lines
     return "\n".join(out) + "\n"
 
 

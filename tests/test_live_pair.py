@@ -85,6 +85,22 @@ def pair(tmp_path):
                 netns.delete(n)
 
 
+def check_exposition(body: str) -> None:
+    """Prometheus text format: each metric's samples grouped right under its own HELP and
+    TYPE lines, one TYPE line per metric."""
+    typed, current = [], None
+    for line in body.splitlines():
+        if line.startswith("# TYPE "):
+            current = line.split()[2]
+            assert current not in typed, "second TYPE line for %s" % current
+            typed.append(current)
+        elif line.startswith("# HELP "):
+            assert line.split()[2] not in typed, line
+        elif line:
+            name = line.split("{")[0].split(" ")[0]
+            assert name == current, "sample of %s under the TYPE of %s: %s" % (name, current, line)
+
+
 def stats(inst):
     return json.loads(cli("stats", "--json", "--instance", inst).stdout)
 
@@ -178,6 +194,11 @@ def test_load_spray_feedback_unload(pair):
     assert len(lines) == 2 and all(l["interval_s"] > 0 for l in lines)
     assert any(l["rates"].get("spray_tx", 0) > 0 for l in lines), lines
 
+    # data of a connection B does not know (QP 0x999) is counted under conn "unknown"
+    stray = wire.data_frame(A_ADDR, B_ADDR, 0x999, 0, b"\0" * 64, ev=0x12345678, dmac=mac_of(pair["b"], "p0"))
+    netns.run(pair["a"], _send_raw, "p0", stray)
+    time.sleep(0.1)
+
     # the metrics endpoint serves the same numbers over HTTP (loopback)
     import urllib.request
     port = 19417 + os.getpid() % 1000
@@ -199,6 +220,13 @@ def test_load_spray_feedback_unload(pair):
     want = 'mrc_counter_total{instance="%s",counter="spray_tx"} %d' % (pair["ia"], final["counters"]["spray_tx"])
     assert want in body, body[:2000]
     assert 'mrc_ev_state{instance="%s",conn=' % pair["ia"] in body and 'state="ASSUMED_BAD"} 1' in body
+    check_exposition(body)
+    # conn is the connection's name in every metric ("unknown": no known connection)
+    a_conn, b_conn = "%s/%d" % (B_ADDR, QB), "%s/%d" % (A_ADDR, QA)
+    assert 'mrc_ev_packets_total{instance="%s",conn="%s",' % (pair["ia"], a_conn) in body
+    assert 'mrc_rx_ev_packets_total{instance="%s",conn="%s",' % (pair["ib"], b_conn) in body
+    assert 'mrc_rx_ev_ce_total{instance="%s",conn="%s",' % (pair["ib"], b_conn) in body
+    assert 'mrc_rx_ev_packets_total{instance="%s",conn="unknown",ev="0x12345678"} 1' % pair["ib"] in body
 
     for i in (pair["ia"], pair["ib"]):
         cli("unload", "--instance", i)
