@@ -159,7 +159,7 @@ class HostConfig:
     mode: str = "ecmp"
     app_dev: str = "mrc0"
     fabric_dev: str = "mrc0p"
-    udp_port: int = 4791
+    udp_port: int = const("MRC_UDP_PORT_DEFAULT")
     loss_reorder: int = 32
     loss_thresh: int = 1
     hop_limit: int = 64
@@ -203,7 +203,7 @@ class HostConfig:
             raise ConfigError("mode: %r must be 'ecmp' or 'srv6'" % cfg.mode)
         cfg.app_dev = _str(d.get("app_dev", "mrc0"), "app_dev")
         cfg.fabric_dev = _str(d.get("fabric_dev", "mrc0p"), "fabric_dev")
-        cfg.udp_port = _int(d.get("udp_port", 4791), "udp_port", 1, 65535)
+        cfg.udp_port = _int(d.get("udp_port", cfg.udp_port), "udp_port", 1, 65535)
         cfg.loss_reorder = _int(d.get("loss_reorder", 32), "loss_reorder", 1, 63)
         cfg.loss_thresh = _int(d.get("loss_thresh", 1), "loss_thresh", 1, 1 << 20)
         cfg.hop_limit = _int(d.get("hop_limit", 64), "hop_limit", 1, 255)

@@ -20,10 +20,12 @@ from . import netns, wire
 from .shared import NackReason, SackM
 
 ETH_P_ALL = 0x0003
-L3 = 14
-UDP = L3 + 40
-BTH = UDP + 8
-EXT = BTH + 12
+L3 = wire.ETH_LEN               # offsets in a plain (ECMP) frame: IPv6 header
+UDP = L3 + wire.IPV6_LEN
+BTH = UDP + wire.UDP_LEN
+EXT = BTH + wire.BTH_LEN        # the first extension header (SETH, NETH, METH)
+ETHERTYPE_IPV6 = wire.ETHERTYPE_IPV6.to_bytes(2, "big")
+MRC_PORT = wire.UDP_PORT.to_bytes(2, "big")
 DATA_OPS = set(int(o) for o in wire.DATA_OPCODES)
 GIVE_UP = 1024          # receiver: holes this far behind the newest PSN are given up
 GIVE_UP_STEP = 256
@@ -178,8 +180,8 @@ class Receiver:
         return (int.from_bytes(f[UDP:UDP + 2], "big") << 16) | int.from_bytes(f[L3 + 2:L3 + 4], "big")
 
     def _handle(self, f: bytes) -> None:
-        if len(f) < EXT + 4 or f[12:14] != b"\x86\xdd" or f[L3 + 6] != 17 or \
-                f[UDP + 2:UDP + 4] != b"\x12\xb7" or f[BTH] not in DATA_OPS or f[L3 + 24:L3 + 40] != self.local:
+        if len(f) < EXT + 4 or f[L3 - 2:L3] != ETHERTYPE_IPV6 or f[L3 + 6] != wire.NH_UDP or \
+                f[UDP + 2:UDP + 4] != MRC_PORT or f[BTH] not in DATA_OPS or f[L3 + 24:L3 + 40] != self.local:
             return
         key = (bytes(f[L3 + 8:L3 + 24]), int.from_bytes(f[BTH + 5:BTH + 8], "big"))
         c = self.conns.get(key)

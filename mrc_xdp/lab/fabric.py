@@ -29,10 +29,10 @@ import threading
 import time
 
 from .. import netns
+from ..maps import PIN_ROOT, STATE_DIR
 from . import linkmodel as lmod
 from .topology import Topology, from_dict
 
-STATE_DIR = "/run/mrc-xdp"
 DEFAULT_PREFIX = "mrc-"
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,16}$")
 
@@ -63,7 +63,7 @@ def state_path(prefix: str) -> str:
 
 
 def pin_dir(prefix: str) -> str:
-    return os.path.join(lmod.PIN_ROOT, "lab-%s" % prefix)
+    return os.path.join(PIN_ROOT, "lab-%s" % prefix)
 
 
 def ns_name(prefix: str, node: str) -> str:
@@ -412,7 +412,7 @@ def _pin_dirs(prefix: str, ns_names) -> list[str]:
     """The link model's pin dir and the host datapath instances' (<prefix><host>)."""
     out = [pin_dir(prefix)]
     for n in sorted(ns_names):
-        out.append(os.path.join(lmod.PIN_ROOT, n))
+        out.append(os.path.join(PIN_ROOT, n))
     return out
 
 
@@ -421,10 +421,10 @@ def leftovers(prefix: str) -> dict:
     ns = netns.list_names(prefix)
     ns = [n for n in ns if _is_lab_node(n[len(prefix):])]
     pins = [d for d in _pin_dirs(prefix, ns) if os.path.exists(d)]
-    if os.path.isdir(lmod.PIN_ROOT):
-        pins += [os.path.join(lmod.PIN_ROOT, d) for d in os.listdir(lmod.PIN_ROOT)
+    if os.path.isdir(PIN_ROOT):
+        pins += [os.path.join(PIN_ROOT, d) for d in os.listdir(PIN_ROOT)
                  if (d == "lab-" + prefix or (d.startswith(prefix) and _is_lab_node(d[len(prefix):])))
-                 and os.path.join(lmod.PIN_ROOT, d) not in pins]
+                 and os.path.join(PIN_ROOT, d) not in pins]
     files = [state_path(prefix)] + [os.path.join(STATE_DIR, n + ".json") for n in ns]
     if os.path.isdir(STATE_DIR):
         files += [os.path.join(STATE_DIR, f) for f in os.listdir(STATE_DIR)

@@ -54,6 +54,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from ..shared import const
 from ..validate import int_in, no_unknown_keys
 
 try:
@@ -64,9 +65,10 @@ except ImportError:  # Python 3.10 and older
 DEFAULT_TOPOLOGY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.toml")
 
 ROLE_T0, ROLE_T1, ROLE_HOST = 1, 2, 3
-MAX_PLANES = 8          # mrc_shared.h MRC_MAX_PLANES
+MAX_PLANES = const("MRC_MAX_PLANES")
 MAX_PER_TIER = 64
-LINK_MAX = 1024         # mrc_shared.h MRC_LINK_MAX
+LINK_MAX = const("MRC_LINK_MAX")     # link model map size
+SRV6_OUTER_LEN = const("MRC_IPV6_LEN")  # the outer header spray pushes in srv6 mode
 IFINDEX_BASE = 0x10000  # lab-owned ifindex range, unique across all namespaces of a lab
 MAC_OUI = (0x02, 0x6D)  # locally administered; the rest of the MAC is the ifindex
 
@@ -174,7 +176,7 @@ class LinkModelDefaults:
     drop_bytes: int = 250000
     dscp_trimmed: int = 12
     dscp_ctrl: int = 46
-    udp_port: int = 4791
+    udp_port: int = const("MRC_UDP_PORT_DEFAULT")
 
 
 @dataclass
@@ -372,7 +374,7 @@ def from_dict(d: dict, source: str = "") -> Topology:
     t0n = _int(d.get("t0_per_plane", 2), "t0_per_plane", 1, MAX_PER_TIER)
     t1n = _int(d.get("t1_per_plane", 2), "t1_per_plane", 1, MAX_PER_TIER)
     mtu = _int(d.get("mtu", 1600), "mtu", 1280, 3000)
-    app_mtu = _int(d.get("app_mtu", 1500), "app_mtu", 1280, mtu - 40)
+    app_mtu = _int(d.get("app_mtu", 1500), "app_mtu", 1280, mtu - SRV6_OUTER_LEN)
     cap = _table(d, "capacity")
     _unknown(cap, {"host_t0", "t0_t1"}, "capacity")
     rate_host = parse_rate(cap.get("host_t0", "10gbit"), "capacity.host_t0")
