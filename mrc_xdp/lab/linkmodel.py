@@ -18,9 +18,10 @@ import errno
 import os
 
 from .. import bpfsys, shared
+from ..loader import XDP_FLAGS_DRV_MODE, XDP_FLAGS_SKB_MODE
 from ..shared import ffi
 
-LINKMODEL_SRC = os.path.join(shared.BPF_DIR, "linkmodel.c")
+LINKMODEL_SRC_NAME = "linkmodel.c"     # in bpf/
 PROG_NAME = shared.MAP_NAMES["MRC_PROG_LINK"]
 MAP_CFG = shared.map_name("MRC_LMAP_CFG")
 MAP_STATE = shared.map_name("MRC_LMAP_STATE")
@@ -34,10 +35,7 @@ CTR_FIELDS = shared.LINK_CTR_FIELDS
 DROP_FIELDS = [f for f in CTR_FIELDS if f.startswith("drop_")]
 
 BPF_FS = "/sys/fs/bpf"
-PIN_ROOT = "/sys/fs/bpf/mrc"
 BPF_FS_MAGIC = 0xCAFE4A11
-XDP_FLAGS_DRV_MODE = 1 << 2
-XDP_FLAGS_SKB_MODE = 1 << 1
 
 _FLAG_KEYS = {"ecn": LF_ECN, "trim": LF_TRIM, "blackhole": LF_BLACKHOLE}
 CFG_KEYS = ("rate_bps", "ecn_bytes", "trim_bytes", "drop_bytes", "loss_ppm",
@@ -72,11 +70,11 @@ def ensure_bpffs() -> None:
 
 
 def compile_program():
-    """(bcc.BPF, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s)."""
-    from .. import kheaders
-    kheaders.ensure()
+    """(bcc.BPF, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s), through
+    mrc_xdp.bpfsrc like the datapath (local headers inlined, so map calls in them work)."""
+    from ..bpfsrc import compile_bpf
     from bcc import BPF  # late: only loaders need bcc
-    b = BPF(src_file=LINKMODEL_SRC.encode(), cflags=["-I" + shared.BPF_DIR, "-w"])
+    b = compile_bpf(LINKMODEL_SRC_NAME)
     fn = b.load_func(PROG_NAME.encode(), BPF.XDP)
     return b, fn.fd
 
