@@ -165,6 +165,39 @@ def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
         m["mrc_connidx"].update(to_bytes(key), _u32(cid))
 
 
+# ---------------------------------------------------------------- EV state from user space
+
+def ev_slot(evidx, cid: int, ev: int) -> int | None:
+    """The slot of EV ev in connection cid's set (mrc_evidx), None when it is not there."""
+    k = ffi.new("struct mrc_evidx_key *")
+    k.conn, k.ev = cid, ev
+    raw = evidx.lookup(to_bytes(k))
+    return None if raw is None else int.from_bytes(raw, "little")
+
+
+def set_ev_state(evs, evidx, cid: int, ev: int, state: EvState,
+                 reason: EvReason = EvReason.OPERATOR) -> dict:
+    """Set the state of EV ev of connection cid, as an operator's deny/allow does: the
+    slot's state and reason change, its loss count restarts, changed_ns is now.
+
+    evs, evidx: the mrc_evs and mrc_evidx maps as bpfsys.Map (pinned, or a bcc build's).
+    Returns {conn, slot, ev, old, new} (state names); KeyError when ev is not in the set.
+    """
+    slot = ev_slot(evidx, cid, ev)
+    if slot is None:
+        raise KeyError("EV %#010x is not in the EV set of connection %d" % (ev, cid))
+    key = cid * SLOTS + slot
+    e = ffi.new("struct mrc_ev *")
+    ffi.memmove(e, evs.lookup(key), sizeof("struct mrc_ev"))
+    old = EvState(e.state)
+    e.state = state
+    e.reason = reason
+    e.losses = 0
+    e.changed_ns = time.monotonic_ns()
+    evs.update(key, to_bytes(e))
+    return {"conn": cid, "slot": slot, "ev": ev, "old": old.name, "new": EvState(state).name}
+
+
 # ---------------------------------------------------------------- reading
 
 class Instance:
@@ -267,31 +300,20 @@ class Instance:
 
     # -- operator actions
     def find_ev(self, ev: int, conn: int | None = None):
-        k = ffi.new("struct mrc_evidx_key *")
+        """(connection id, slot) of EV ev, in connection conn or the first that has it."""
         for c in self.connections():
             if conn is not None and c["id"] != conn:
                 continue
-            k.conn, k.ev = c["id"], ev
-            raw = self.map("mrc_evidx").lookup(to_bytes(k))
-            if raw is not None:
-                return c["id"], int.from_bytes(raw, "little")
+            slot = ev_slot(self.map("mrc_evidx"), c["id"], ev)
+            if slot is not None:
+                return c["id"], slot
         raise KeyError("EV %#010x is not in the EV set of %s" % (
             ev, "connection %d" % conn if conn is not None else "any connection"))
 
     def set_ev_state(self, ev: int, state: EvState, conn: int | None = None) -> dict:
-        """Operator deny/allow. Returns {conn, slot, old, new}."""
-        cid, slot = self.find_ev(ev, conn)
-        mp = self.map("mrc_evs")
-        key = cid * SLOTS + slot
-        e = ffi.new("struct mrc_ev *")
-        ffi.memmove(e, mp.lookup(key), sizeof("struct mrc_ev"))
-        old = EvState(e.state)
-        e.state = state
-        e.reason = EvReason.OPERATOR
-        e.losses = 0
-        e.changed_ns = time.monotonic_ns()
-        mp.update(key, to_bytes(e))
-        return {"conn": cid, "slot": slot, "ev": ev, "old": old.name, "new": EvState(state).name}
+        """Operator deny/allow. Returns {conn, slot, ev, old, new}."""
+        cid, _ = self.find_ev(ev, conn)
+        return set_ev_state(self.map("mrc_evs"), self.map("mrc_evidx"), cid, ev, state)
 
 
 class _Lazy:

@@ -162,6 +162,11 @@ def test_load_spray_feedback_unload(pair):
     assert after[victim["ev"]]["state"] == "DENIED"
     listed = json.loads(cli("ev", "list", "--state", "DENIED", "--json", "--instance", pair["ia"]).stdout)
     assert [r["ev"] for r in listed] == [victim["ev"]]
+    out = json.loads(cli("ev", "allow", hex(victim["ev"]), "--instance", pair["ia"], "--json").stdout)
+    assert (out["old"], out["new"], out["conn"]) == ("DENIED", "GOOD", 0)
+    r = cli("ev", "deny", "0xdead", "--instance", pair["ia"], check=False)
+    assert r.returncode == 1 and r.stderr.strip() == \
+        "mrc-xdp: EV 0x0000dead is not in the EV set of any connection", r.stderr
     r = cli("ev", "list", "--conn", "7", "--instance", pair["ia"], check=False)
     assert r.returncode == 1 and r.stderr.strip() == "mrc-xdp: --conn 7: no such connection in %s " \
         "(connections: 0 %s/%d)" % (pair["ia"], B_ADDR, QB), r.stderr
