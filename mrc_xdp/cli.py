@@ -61,6 +61,7 @@ def _hex(v):
 
 def cmd_load(args):
     from .config import HostConfig
+    from .maps import pin_dir
     from . import loader
 
     if not args.config:
@@ -73,7 +74,7 @@ def cmd_load(args):
         "loaded %s (%s mode) in %.1f s: spray on %s, ingress on %s, %d connections; pinned at %s" % (
             s["instance"], s["mode"], s["load_seconds"], s["fabric_dev"],
             ",".join(p["dev"] for p in s["planes"]), len(s["connections"]),
-            "/sys/fs/bpf/mrc/" + s["instance"])))
+            pin_dir(s["instance"]))))
 
 
 def cmd_unload(args):
