@@ -210,7 +210,9 @@ int mrc_spray(struct xdp_md *ctx)
 			pe->psn = p.psn;
 			pe->ev = e->ev;
 			pe->flags = MRC_PSNF_VALID;
-			pe->sent_us = bpf_ktime_get_ns() >> 10;
+			/* an atomic counter, not bpf_ktime_get_ns(): the clock read costs more
+			 * than the rest of spray on some hosts */
+			pe->txseq = __sync_fetch_and_add(&c->txseq, 1);
 		}
 		ctr_inc(MRC_C_SPRAY_DATA);
 	} else {
@@ -256,7 +258,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 					__u32 cack, __u32 base, __u64 bitmap, __u32 acked)
 {
 	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, hi, k, psn, retire, ack_us, *slotp;
+	__u32 nlost = 0, i, hi, k, psn, retire, ack_seq, *slotp;
 	struct mrc_evidx_key key = { .conn = cid };
 	struct mrc_psn_ent *pe;
 	struct mrc_ev_ctr *ec;
@@ -264,13 +266,13 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 
 	if (!bitmap)
 		return;
-	/* When the acked packet was sent; unknown: now, so no hole counts as in flight
-	 * (one value either way keeps the loop below verified once). */
-	ack_us = bpf_ktime_get_ns() >> 10;
+	/* When (in send order) the acked packet was sent; unknown: the newest send, so no
+	 * hole counts as in flight (one value either way keeps the loop verified once). */
+	ack_seq = c->txseq;
 	k = cid * MRC_PSN_RING + (acked & (MRC_PSN_RING - 1));
 	pe = mrc_psn.lookup(&k);
 	if (pe && pe->psn == acked && (pe->flags & MRC_PSNF_VALID))
-		ack_us = pe->sent_us;
+		ack_seq = pe->txseq;
 	hi = highest_bit(bitmap);
 	for (i = 0; i < 64; i++) {
 		if (i + cfg->loss_reorder > hi || nlost >= MRC_LOSS_BATCH)
@@ -284,7 +286,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		pe = mrc_psn.lookup(&k);
 		if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
 			continue;
-		if ((__s32)(pe->sent_us - ack_us) > 0)
+		if ((__s32)(pe->txseq - (__u32)ack_seq) > 0)
 			continue;       /* (re)sent after the packet being acked: in flight */
 		pe->flags |= MRC_PSNF_LOST;
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;

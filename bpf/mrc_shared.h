@@ -190,6 +190,7 @@ struct mrc_conn {
 	__u16 flags;
 	__u16 stride[4];        /* rotation strides, each coprime with ev_per_plane */
 	__u64 lock;             /* cmpxchg guard for slot swaps */
+	__u64 txseq;            /* data packets sent (atomic): send order for loss attribution */
 };
 
 struct mrc_ev {
@@ -256,8 +257,8 @@ struct mrc_psn_ent {
 	__u32 psn;
 	__u32 ev;
 	__u32 flags;            /* MRC_PSNF_* */
-	__u32 sent_us;          /* (bpf_ktime_get_ns() >> 10) of this transmission: a hole is a
-	                         * loss only if sent before the packet that triggered the SACK */
+	__u32 txseq;            /* the connection's send order of this transmission: a hole is
+	                         * a loss only if sent before the packet that triggered the SACK */
 };
 #define MRC_PSNF_VALID 1
 #define MRC_PSNF_LOST  2
