@@ -49,4 +49,4 @@ def compile_bpf(filename: str, cflags: list[str] | None = None):
     from bcc import BPF  # imported late: only loaders need bcc
 
     src = amalgamate(os.path.join(BPF_DIR, filename))
-    return BPF(text=src, cflags=CFLAGS + list(cflags or []))
+    return BPF(text=src.encode(), cflags=CFLAGS + list(cflags or []))

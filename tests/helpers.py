@@ -428,13 +428,9 @@ class Env:
         return EvState(self.ev(cid, ev).state)
 
     def set_state(self, cid: int, ev: int, state: EvState) -> None:
-        """What an operator's deny/allow does (maps.Instance.set_ev_state), by fd."""
-        slot = self.slot_of(cid, ev)
-        e = self.ev_at(cid, slot)
-        e.state = state
-        e.reason = shared.EvReason.OPERATOR
-        e.losses = 0
-        self.put_ev(cid, slot, e)
+        """An operator's deny/allow: the library's own function, on this build's maps."""
+        from mrc_xdp import maps as libmaps
+        libmaps.set_ev_state(self.maps["mrc_evs"], self.maps["mrc_evidx"], cid, ev, state)
 
     def slots(self, cid: int) -> dict[int, tuple[int, int]]:
         """slot -> (ev, state) of every configured slot of a connection."""

@@ -72,14 +72,9 @@ def ensure_bpffs() -> None:
 def compile_program():
     """(bcc.BPF, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s), through
     mrc_xdp.bpfsrc like the datapath (local headers inlined, so map calls in them work)."""
-    import warnings
     from ..bpfsrc import compile_bpf
     from bcc import BPF  # late: only loaders need bcc
-    with warnings.catch_warnings():
-        # compile_bpf hands bcc a str, which bcc accepts with a DeprecationWarning quoting
-        # the whole source; drop this once bpfsrc passes bytes
-        warnings.filterwarnings("ignore", "not a bytes object", DeprecationWarning)
-        b = compile_bpf(LINKMODEL_SRC_NAME)
+    b = compile_bpf(LINKMODEL_SRC_NAME)
     fn = b.load_func(PROG_NAME.encode(), BPF.XDP)
     return b, fn.fd
 
