@@ -447,14 +447,20 @@ int mrc_ingress(struct xdp_md *ctx)
 		return XDP_PASS;
 	ctr_inc(MRC_C_ING_RX);
 	rc = mrc_parse(ctx, &p, cfg->udp_port, cfg->mode == MRC_MODE_SRV6, &reason);
-	/* SRv6 transit (not our SID) is none of our business, whatever it carries. */
-	if (p.outer && rc != MRC_P_NOT && !srv6_sid_ours(ctx)) {
+	/* SRv6 transit (not our SID) is none of our business, whatever it carries: a
+	 * malformed inner packet is only ours to drop behind our SID.  (rc first: testing
+	 * p.outer first costs plain frames ~10 ns in the code clang emits.) */
+	if (rc == MRC_P_BAD && p.outer && !srv6_sid_ours(ctx)) {
 		ctr_inc(MRC_C_ING_NOT_OURS);
 		return XDP_PASS;
 	}
 	rc = verdict(rc, reason, MRC_C_ING_NON_MRC);
 	if (rc >= 0)
 		return rc;
+	if (p.outer && !srv6_sid_ours(ctx)) {
+		ctr_inc(MRC_C_ING_NOT_OURS);
+		return XDP_PASS;
+	}
 	/* Checked before decapsulation, so what is not ours leaves unchanged. */
 	if (!addr_eq(p.daddr, cfg->local_addr, 16)) {
 		ctr_inc(MRC_C_ING_NOT_OURS);
