@@ -44,13 +44,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10 and older
-    import tomli as tomllib
-
 from .shared import const
-from .validate import int_in, no_unknown_keys
+from .validate import int_in, no_unknown_keys, read_toml
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 _MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
@@ -174,13 +169,7 @@ class HostConfig:
     def from_toml(cls, path: str, overrides: dict | None = None) -> "HostConfig":
         """Parse and validate a TOML file; overrides (e.g. {"mode": "srv6"} from the
         command line) replace top-level keys before validation, so they are checked too."""
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError("%s: no such config file" % path) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("%s: not valid TOML: %s" % (path, e)) from None
+        data = read_toml(path, "config", ConfigError)
         data.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.from_dict(data)
 

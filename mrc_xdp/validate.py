@@ -5,6 +5,22 @@ Each raises the caller's error class with one line naming the key, e.g.
 """
 from __future__ import annotations
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10 and older
+    import tomli as tomllib
+
+
+def read_toml(path: str, what: str, err: type[Exception]) -> dict:
+    """The TOML file at path as a dict; a missing or invalid file is one line."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise err("%s: no such %s file" % (path, what)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise err("%s: not valid TOML: %s" % (path, e)) from None
+
 
 def int_in(v, key: str, lo: int, hi: int, err: type[Exception]) -> int:
     if isinstance(v, bool) or not isinstance(v, int):

@@ -55,12 +55,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..shared import const
-from ..validate import int_in, no_unknown_keys
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10 and older
-    import tomli as tomllib
+from ..validate import int_in, no_unknown_keys, read_toml
 
 DEFAULT_TOPOLOGY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.toml")
 
@@ -433,13 +428,7 @@ def from_dict(d: dict, source: str = "") -> Topology:
 def load(path: str | None = None, mode: str | None = None) -> Topology:
     """Read a topology file (default: the packaged default.toml); mode overrides the file's."""
     path = path or DEFAULT_TOPOLOGY
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise TopologyError("%s: no such topology file" % path) from None
-    except tomllib.TOMLDecodeError as e:
-        raise TopologyError("%s: not valid TOML: %s" % (path, e)) from None
+    data = read_toml(path, "topology", TopologyError)
     if mode is not None:
         data["mode"] = mode
     return from_dict(data, source=os.path.abspath(path))
