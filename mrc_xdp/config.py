@@ -78,6 +78,29 @@ def _mac(v, key) -> str:
     return v.lower()
 
 
+def _ev_list(v, key: str, nplanes: int, per_plane: int, seen: set) -> list:
+    """[[ev, plane, t1], ...] with exactly per_plane EVs in every plane, all distinct."""
+    if not isinstance(v, list):
+        raise ConfigError("%s: expected a list of [ev, plane, t1]" % key)
+    out = []
+    for i, item in enumerate(v):
+        if not isinstance(item, list) or len(item) != 3:
+            raise ConfigError("%s[%d]: expected [ev, plane, t1]" % (key, i))
+        ev = _int(item[0], "%s[%d] ev" % (key, i), 1 << 16, 0xFFFFFFFF)
+        plane = _int(item[1], "%s[%d] plane" % (key, i), 0, nplanes - 1)
+        t1 = _int(item[2], "%s[%d] t1" % (key, i), 0, 255)
+        if ev in seen:
+            raise ConfigError("%s[%d]: EV %#x appears twice in the connection" % (key, i, ev))
+        seen.add(ev)
+        out.append(EvSpec(ev, plane, t1))
+    for p in range(nplanes):
+        n = sum(1 for e in out if e.plane == p)
+        if n != per_plane:
+            raise ConfigError("%s: plane %d has %d EVs, the connection wants %d per plane"
+                              % (key, p, n, per_plane))
+    return out
+
+
 def _unknown(d: dict, allowed: set, where: str):
     no_unknown_keys(d, allowed, where, ConfigError)
 
@@ -119,13 +142,19 @@ class Connection:
     template: str | None = None
     seed: int | None = None
     name: str = ""
+    evs: list | None = None          # explicit active EvSpecs (e.g. learnt by probing)
+    backup_evs: list | None = None
 
     def ev_sets(self, nplanes: int):
         """(active, backup): lists per plane of EvSpec. Deterministic per connection.
 
-        EVs are random 32-bit values, unique within the connection, equal in number per
-        plane; T1s are assigned round-robin inside each plane so they are equally loaded.
+        Explicit `evs` / `backup_evs` are used as given.  Otherwise EVs are random 32-bit
+        values, unique within the connection, equal in number per plane, and T1s are
+        assigned round-robin inside each plane so they are equally loaded.
         """
+        if self.evs is not None:
+            by_plane = lambda specs: [[s for s in specs if s.plane == p] for p in range(nplanes)]
+            return by_plane(self.evs), by_plane(self.backup_evs or [])
         seed = self.seed if self.seed is not None else \
             int(ipaddress.IPv6Address(self.peer)) ^ (self.local_qpn << 24) ^ self.remote_qpn
         rng = random.Random(seed)
@@ -268,7 +297,7 @@ class HostConfig:
             if not isinstance(c, dict):
                 raise ConfigError("%s: expected a table" % k)
             _unknown(c, {"peer", "local_qpn", "remote_qpn", "ev_per_plane", "backup_per_plane",
-                         "t1s", "template", "seed", "name"}, k)
+                         "t1s", "template", "seed", "name", "evs", "backup_evs"}, k)
             for req in ("peer", "local_qpn", "remote_qpn"):
                 if req not in c:
                     raise ConfigError("%s.%s: required" % (k, req))
@@ -285,6 +314,12 @@ class HostConfig:
             )
             if "seed" in c:
                 conn.seed = _int(c["seed"], k + ".seed", 0, (1 << 63) - 1)
+            if "evs" in c:
+                conn.evs = _ev_list(c["evs"], k + ".evs", np_, conn.ev_per_plane, set())
+                conn.backup_evs = _ev_list(c.get("backup_evs", []), k + ".backup_evs", np_,
+                                           conn.backup_per_plane, {e.ev for e in conn.evs})
+            elif "backup_evs" in c:
+                raise ConfigError("%s.backup_evs: needs evs too" % k)
             if cfg.mode == "srv6":
                 t = c.get("template")
                 if t is None:

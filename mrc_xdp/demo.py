@@ -57,14 +57,15 @@ def _print_paths(paths) -> None:
 
 
 def _print_evs(rows, base=None, mode="srv6") -> None:
-    """srv6: the EV names its T1; ecmp: the switches hash the EV onto a T1 (shown as -)."""
+    """srv6: the EV names its T1; ecmp: the T1 the switches' hash sends it to, learnt by
+    probing at lab up."""
     base = {r["ev"]: r["tx_pkts"] for r in (base or [])}
     _p("    EV          plane T1 role    state        packets  why")
     for r in rows:
         if r["role"] == "backup" and r["tx_pkts"] == base.get(r["ev"], 0) and r["state"] == "GOOD":
             continue     # unused spare
         _p("    %#010x    %d   %s  %-6s  %-11s %8d  %s" % (
-            r["ev"], r["plane"], r["t1"] if mode == "srv6" else "-", r["role"], r["state"], r["tx_pkts"] - base.get(r["ev"], 0),
+            r["ev"], r["plane"], r["t1"], r["role"], r["state"], r["tx_pkts"] - base.get(r["ev"], 0),
             "" if r["reason"] in ("NONE", "REPLACED") else r["reason"].lower()))
 
 
@@ -135,8 +136,8 @@ def _demo(topo, lm, inst, n, pps, mode):
     after1 = _ev_rows(inst)
     _print_evs(after1, base_evs, mode)
     if mode == "ecmp":
-        _p("      (ecmp mode: each T0 hashes an EV onto one of its T1s, so with 8 EVs per plane the")
-        _p("      T1 split follows the hash; srv6 mode writes the T1 into the packet's uSID path.)")
+        _p("      (ecmp mode: each T0 hashes an EV onto one of its T1s; at lab up every host probed")
+        _p("      candidate EVs to learn which T1 each one takes, and kept equal numbers per T1.)")
 
     _p("\n[3/5] now T1 switch %s (plane 0) fails: every packet into it is dropped (blackhole)." % FAIL)
     _p("      h0 is not told. It sees holes in h2's SACK bitmaps, looks up which EV carried each")
@@ -188,9 +189,10 @@ def _demo(topo, lm, inst, n, pps, mode):
     _p("\n[4/5] EV table of h0 -> h2 after the failure (packets during phase 3):")
     _print_evs(after2, after1, mode)
     bad = [r for r in after2 if r["state"] == "ASSUMED_BAD"]
-    via_failed = bad and mode == "srv6" and all(r["plane"] == 0 and r["t1"] == 1 for r in bad)
+    via_failed = bad and all(r["plane"] == 0 and r["t1"] == 1 for r in bad)
     _p("      %d EVs ASSUMED_BAD%s, every one of them in plane 0; plane 1 never noticed." % (
-        len(bad), ", all through T1 1 (the T1 their uSID path names)" if via_failed else ""))
+        len(bad), ", all through T1 1 (%s)" % ("the T1 their uSID path names" if mode == "srv6"
+                                               else "the T1 probing mapped them to") if via_failed else ""))
     _p("      Resurrecting retired EVs once the path heals is the control plane's job (probes,")
     _p("      or `mrc-xdp ev allow EV`); the datapath never puts one back by itself.")
     labcli.heal(PREFIX, FAIL)

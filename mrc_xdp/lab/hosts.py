@@ -40,7 +40,9 @@ def instance_name(prefix: str, host: str) -> str:
 
 
 def host_config_dict(topo: Topology, prefix: str, host: str, ev_per_plane: int = EV_PER_PLANE,
-                     backup_per_plane: int = BACKUP_PER_PLANE) -> dict:
+                     backup_per_plane: int = BACKUP_PER_PLANE, evs: dict | None = None) -> dict:
+    """evs: {(host, peer): (active, backup)} lists of [ev, plane, t1], e.g. from
+    discover_ecmp_evs(); connections without an entry get random EVs."""
     me = topo.host(host)
     d: dict = {
         "instance": instance_name(prefix, host),
@@ -67,6 +69,8 @@ def host_config_dict(topo: Topology, prefix: str, host: str, ev_per_plane: int =
              "local_qpn": qpn(me.index, other.index), "remote_qpn": qpn(other.index, me.index),
              "ev_per_plane": ev_per_plane, "backup_per_plane": backup_per_plane,
              "t1s": topo.t1_per_plane if other.t0 != me.t0 else 1}
+        if evs and (host, other.name) in evs:
+            c["evs"], c["backup_evs"] = evs[(host, other.name)]
         if topo.mode == "srv6":
             c["template"] = other.name
             tmpls[other.name] = {"block": str(topo.block.network_address),
@@ -77,6 +81,95 @@ def host_config_dict(topo: Topology, prefix: str, host: str, ev_per_plane: int =
     if tmpls:
         d["srv6_templates"] = tmpls
     return d
+
+
+# ------------------------------------------------------------------ ECMP: EV discovery
+
+PROBE_TIMEOUT_S = 0.25
+MAX_CANDIDATES = 400        # per (host, peer, plane): far more than a fair hash needs
+
+
+def discover_ecmp_evs(topo: Topology, prefix: str, lm: "lmod.LinkModel", progress=lambda m: None,
+                      ev_per_plane: int = EV_PER_PLANE, backup_per_plane: int = BACKUP_PER_PLANE,
+                      seed: int = 4791) -> dict:
+    """In ecmp mode the T0s hash each EV onto a T1, so which T1 an EV takes is only known
+    by trying it (as MRC deployments map EVs to paths).  For every host, every peer on
+    another T0 and every plane, send one probe frame per candidate EV out of the host's
+    plane NIC (before any datapath is loaded) and see on the link models which T0->T1
+    uplink counted it; keep equal numbers of EVs per T1.  Probes go one at a time, so
+    the counters attribute each.  Returns {(host, peer): (active, backup)} as lists of
+    [ev, plane, t1] for host_config_dict().
+    """
+    import random
+    import socket
+    import time
+    from .. import netns, wire
+    from .fabric import LabError
+
+    t1s = topo.t1_per_plane
+    if ev_per_plane % t1s or backup_per_plane % t1s:
+        raise LabError("ev discovery: EVs per plane must divide evenly over %d T1s" % t1s)
+    ends = {name: rx.ifindex for name, rx, _, _ in topo.link_ends()}
+    rng = random.Random(seed)
+    used: set[int] = set()
+    out = {}
+    probes = 0
+    t0 = time.monotonic()
+    for h in topo.hosts:
+        socks = {}
+        for p in range(topo.planes):
+            def mk(dev="p%d" % p):
+                s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+                s.bind((dev, 0))
+                return s
+            socks[p] = netns.run(prefix + h.name, mk)
+        try:
+            for d in topo.hosts:
+                if d.t0 == h.t0:
+                    continue
+                active, backup = [], []
+                for p in range(topo.planes):
+                    uplinks = [ends["%s>%s" % (topo.t0_name(p, h.t0), topo.t1_name(p, j))] for j in range(t1s)]
+                    want = {j: [ev_per_plane // t1s, backup_per_plane // t1s] for j in range(t1s)}
+                    port = topo.port(h.name, "p%d" % p)
+                    gw = topo.gateway(h.name, p).mac
+                    for _ in range(MAX_CANDIDATES):
+                        if not any(a or b for a, b in want.values()):
+                            break
+                        ev = rng.getrandbits(32)
+                        if ev in used or not ev >> 16:
+                            continue
+                        before = [lm.counters(i)["mrc_pkts"] for i in uplinks]
+                        frame = wire.data_frame(h.addr, d.addr, qpn(d.index, h.index), 0, b"probe",
+                                                ev=ev, smac=port.mac, dmac=gw)
+                        socks[p].send(frame)
+                        probes += 1
+                        deadline = time.monotonic() + PROBE_TIMEOUT_S
+                        j = None
+                        while j is None and time.monotonic() < deadline:
+                            now = [lm.counters(i)["mrc_pkts"] for i in uplinks]
+                            hit = [k for k in range(t1s) if now[k] != before[k]]
+                            if len(hit) == 1:
+                                j = hit[0]
+                        if j is None:
+                            continue                    # lost or ambiguous: not used
+                        used.add(ev)
+                        if want[j][0]:
+                            want[j][0] -= 1
+                            active.append([ev, p, j])
+                        elif want[j][1]:
+                            want[j][1] -= 1
+                            backup.append([ev, p, j])
+                    if any(a or b for a, b in want.values()):
+                        raise LabError("ev discovery: %s->%s plane %d: no EV found for every T1 in %d "
+                                       "probes (is the fabric forwarding?)" % (h.name, d.name, p, MAX_CANDIDATES))
+                out[(h.name, d.name)] = (active, backup)
+        finally:
+            for s in socks.values():
+                s.close()
+    progress("  ecmp: %d EVs mapped to T1s by %d probes (%.2fs)" % (
+        sum(len(a) + len(b) for a, b in out.values()), probes, time.monotonic() - t0))
+    return out
 
 
 def host_configs(topo: Topology, prefix: str, **kw) -> dict[str, HostConfig]:
@@ -132,7 +225,11 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
     ~1.5 s of one CPU).  Returns {host: {instance, load_s, connections}}."""
     import multiprocessing as mp
     from .fabric import LabError
-    cfgs = host_configs(topo, prefix)
+    evs = None
+    if topo.mode == "ecmp" and topo.t1_per_plane > 1:
+        with lmod.LinkModel.open(state["pin_dir"]) as lm:
+            evs = discover_ecmp_evs(topo, prefix, lm, progress)
+    cfgs = host_configs(topo, prefix, evs=evs)
     names = [h.name for h in topo.hosts]
     workers = max(1, min(workers or os.cpu_count() or 1, len(names)))
     groups = [names[i::workers] for i in range(workers)]
