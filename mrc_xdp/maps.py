@@ -232,10 +232,6 @@ class Instance:
     def __exit__(self, *a):
         self.close()
 
-    @property
-    def maps(self):
-        return _Lazy(self)
-
     # -- counters
     def counters(self) -> dict[str, int]:
         mp = self.map("mrc_stats")
@@ -315,10 +311,3 @@ class Instance:
         cid, _ = self.find_ev(ev, conn)
         return set_ev_state(self.map("mrc_evs"), self.map("mrc_evidx"), cid, ev, state)
 
-
-class _Lazy:
-    def __init__(self, inst):
-        self._inst = inst
-
-    def __getitem__(self, name):
-        return self._inst.map(name)
