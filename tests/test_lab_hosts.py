@@ -102,6 +102,21 @@ def run_traffic(prefix, topo, n, src="h0", dst="h2", payload=512, pps=20000):
     return rx
 
 
+def traffic_with_link(prefix, topo, lm, end, counter, n=400, **settings):
+    """Run n packets h0 -> h2 with link end `end` set to `settings` (an empty phantom
+    queue), then restore it.  Returns (receiver, increase of that end's `counter`)."""
+    rx_port = next(r for name, r, _, _ in topo.link_ends() if name == end)
+    saved = lm.get(rx_port.ifindex)
+    try:
+        lm.update(rx_port.ifindex, **settings)
+        lm.set_state(rx_port.ifindex, 0, 0)
+        before = lm.counters(rx_port.ifindex)[counter]
+        rx = run_traffic(prefix, topo, n)
+        return rx, lm.counters(rx_port.ifindex)[counter] - before
+    finally:
+        lm.set(rx_port.ifindex, saved)
+
+
 def ev_rows(prefix, host="h0", peer="h2"):
     from mrc_xdp.maps import Instance
     with Instance(prefix + host) as inst:
@@ -162,17 +177,9 @@ srv6_only = pytest.mark.parametrize("lab", ["srv6"], indirect=True)
 def test_ecn_marked_path_turns_its_evs_skip(lab):
     prefix, topo, lm = lab
     end = "p1t1s0>p1t0s1"                 # plane 1, T1 0, towards h2's T0
-    rx_port = next(r for n, r, _, _ in topo.link_ends() if n == end)
-    saved = lm.get(rx_port.ifindex)
-    try:
-        # a 1 bit/s link with ECN at 0 bytes marks every frame (no trim, no drop)
-        lm.update(rx_port.ifindex, rate_bps=1, ecn_bytes=0, trim=False, drop_bytes=0)
-        lm.set_state(rx_port.ifindex, 0, 0)
-        marked0 = lm.counters(rx_port.ifindex)["marked"]
-        rx = run_traffic(prefix, topo, 400)
-        marked = lm.counters(rx_port.ifindex)["marked"] - marked0
-    finally:
-        lm.set(rx_port.ifindex, saved)
+    # a 1 bit/s link with ECN at 0 bytes marks every frame (no trim, no drop)
+    rx, marked = traffic_with_link(prefix, topo, lm, end, "marked",
+                                   rate_bps=1, ecn_bytes=0, trim=False, drop_bytes=0)
     assert marked > 0
     assert rx.sacks == rx.frames == 400
     assert sum(c["ce"] for c in rx.stats()["conns"]) == marked
@@ -187,16 +194,8 @@ def test_ecn_marked_path_turns_its_evs_skip(lab):
 def test_trimmed_packet_is_nacked_and_its_ev_skipped(lab):
     prefix, topo, lm = lab
     end = "p0t1s1>p0t0s1"
-    rx_port = next(r for n, r, _, _ in topo.link_ends() if n == end)
-    saved = lm.get(rx_port.ifindex)
-    try:
-        lm.update(rx_port.ifindex, rate_bps=1, ecn=False, trim_bytes=0, drop_bytes=0)
-        lm.set_state(rx_port.ifindex, 0, 0)
-        trimmed0 = lm.counters(rx_port.ifindex)["trimmed"]
-        rx = run_traffic(prefix, topo, 400)
-        trimmed = lm.counters(rx_port.ifindex)["trimmed"] - trimmed0
-    finally:
-        lm.set(rx_port.ifindex, saved)
+    rx, trimmed = traffic_with_link(prefix, topo, lm, end, "trimmed",
+                                    rate_bps=1, ecn=False, trim_bytes=0, drop_bytes=0)
     assert trimmed > 0 and rx.nacks == trimmed
     rows = ev_rows(prefix)
     hit = [r for r in rows if r["trim"]]

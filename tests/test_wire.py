@@ -47,28 +47,29 @@ def crc32_bitwise(data: bytes, state: int = 0xFFFFFFFF) -> int:
     return state
 
 
-def reference_icrc6(ip6: bytes) -> int:
-    """RoCEv2 ICRC of an IPv6 packet given with its trailer, masked through scapy fields."""
-    pkt = IPv6(ip6)
-    pkt.tc, pkt.fl, pkt.hlim = 0xFF, 0xFFFFF, 0xFF
+def _reference_icrc(pkt) -> int:
+    """ICRC of a scapy IP packet whose IP variant fields are already masked: UDP checksum
+    and BTH byte 4 masked too, 8 bytes of 0xFF for the LRH, trailer left out."""
     pkt[UDP].chksum = 0xFFFF
     udp_payload = bytearray(raw(pkt[UDP].payload))
     udp_payload[4] = 0xFF
     pkt[UDP].remove_payload()
     pseudo = b"\xff" * 8 + raw(pkt) + bytes(udp_payload[:-ICRC_LEN])
     return crc32_bitwise(pseudo) ^ 0xFFFFFFFF
+
+
+def reference_icrc6(ip6: bytes) -> int:
+    """RoCEv2 ICRC of an IPv6 packet given with its trailer, masked through scapy fields."""
+    pkt = IPv6(ip6)
+    pkt.tc, pkt.fl, pkt.hlim = 0xFF, 0xFFFFF, 0xFF
+    return _reference_icrc(pkt)
 
 
 def reference_icrc4(ip4: bytes) -> int:
     """The same over IPv4 (TOS, TTL and header checksum masked), given with the trailer."""
     pkt = IP(ip4)
     pkt.tos, pkt.ttl, pkt.chksum = 0xFF, 0xFF, 0xFFFF
-    pkt[UDP].chksum = 0xFFFF
-    udp_payload = bytearray(raw(pkt[UDP].payload))
-    udp_payload[4] = 0xFF
-    pkt[UDP].remove_payload()
-    pseudo = b"\xff" * 8 + raw(pkt) + bytes(udp_payload[:-ICRC_LEN])
-    return crc32_bitwise(pseudo) ^ 0xFFFFFFFF
+    return _reference_icrc(pkt)
 
 
 def reference_udp6_checksum(ip6: bytes) -> int:
