@@ -1,0 +1,46 @@
+"""cffi (API mode) builder of the transport engine: mrc_xdp._engine.
+
+setup.py lists it in CFFI_MODULES ("mrc_xdp/engine/build.py:ffibuilder"), so
+`pip install -e .` (scripts/setup.sh) compiles engine.c against libxdp, libbpf and
+zlib into mrc_xdp/_engine*.so.  Rebuild by hand: .venv/bin/python mrc_xdp/engine/build.py
+"""
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+BPF = os.path.join(ROOT, "bpf")
+
+
+def _cdef() -> str:
+    """engine.h as cffi reads it: no preprocessor lines but integer #defines."""
+    with open(os.path.join(HERE, "engine.h")) as f:
+        text = f.read()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("#"):
+            if re.match(r"#define\s+MRC_\w+\s+(0x[0-9a-fA-F]+|\d+)\s*$", s):
+                out.append(s)
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef())
+ffibuilder.set_source(
+    "mrc_xdp._engine",
+    '#include "engine.h"\n',
+    sources=[os.path.relpath(os.path.join(HERE, "engine.c"), ROOT)],
+    include_dirs=[HERE, BPF],
+    libraries=["xdp", "bpf", "z", "pthread"],
+    extra_compile_args=["-O2", "-g", "-Wall", "-Wno-unused-function", "-std=gnu11"],
+)
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    ffibuilder.compile(verbose=False)

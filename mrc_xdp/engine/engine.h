@@ -1,0 +1,193 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR BSD-2-Clause) */
+/*
+ * engine.h - the C API of the MRC transport engine (mrc_xdp/engine/engine.c).
+ *
+ * One endpoint = one AF_XDP socket on the application side of a host's veth pair
+ * (mrc0), one UMEM, and one progress thread that does every per-packet job:
+ * packetise, transmit, receive, verify, place, SACK/NACK, retransmit, timers, window.
+ * The functions below are called from any thread (Python, through cffi in API mode);
+ * they hand work to the progress thread through locked queues and an eventfd and
+ * never touch the rings themselves.  Completions come back through a CQ whose eventfd
+ * (mrc_eng_cq_fd) is readable while completions are pending.
+ *
+ * Wire layouts, opcodes and sizes come from bpf/mrc_shared.h (one declaration).
+ * cffi reads this header too: only plain types and integer #defines here.
+ */
+#ifndef MRC_ENGINE_H
+#define MRC_ENGINE_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#define MRC_ENG_ACCESS_LOCAL        1
+#define MRC_ENG_ACCESS_REMOTE_WRITE 2
+
+/* Completion status (mrc_eng_wc.status). */
+#define MRC_WC_SUCCESS          0
+#define MRC_WC_RETRY_EXC_ERR    1   /* retry limit reached: peer unreachable */
+#define MRC_WC_REM_ACCESS_ERR   2   /* the peer refused the R_Key or the range */
+#define MRC_WC_WR_FLUSH_ERR     3   /* QP in error (or destroyed) before the WR ran */
+#define MRC_WC_LOC_ACCESS_ERR   4   /* the local MR does not cover the range */
+
+/* Completion opcode (mrc_eng_wc.opcode). */
+#define MRC_WC_RDMA_WRITE       0   /* sender: a Write or Write-with-Immediate finished */
+#define MRC_WC_RECV_RDMA_IMM    1   /* receiver: a Write-with-Immediate arrived whole */
+
+/* QP states. */
+#define MRC_QPS_INIT  1             /* created, not connected */
+#define MRC_QPS_RTS   2             /* connected: sends and receives */
+#define MRC_QPS_ERR   3
+
+/* NACK reason for a refused R_Key / range (no MRC code for it: UET's UNEXP_EVENT, with
+ * vendor_info MRC_ENG_VI_ACCESS). */
+#define MRC_ENG_VI_ACCESS 1
+
+struct mrc_eng_wc {
+	uint64_t wr_id;
+	uint32_t qpn;
+	uint32_t status;        /* MRC_WC_* */
+	uint32_t opcode;        /* MRC_WC_RDMA_WRITE / MRC_WC_RECV_RDMA_IMM */
+	uint32_t byte_len;
+	uint32_t imm;
+	uint32_t has_imm;
+};
+
+/* Endpoint options.  Zero means "the default" for every numeric field. */
+struct mrc_eng_opts {
+	char     ifname[16];        /* mrc0 */
+	uint32_t queue;             /* rx queue (0) */
+	int32_t  xsks_fd;           /* the datapath's XSKMAP (pinned mrc_xsks); -1: none */
+	uint8_t  local_addr[16];    /* this host's MRC address */
+	uint8_t  src_mac[6];        /* mrc0's MAC */
+	uint8_t  dst_mac[6];        /* mrc0p's MAC */
+	uint16_t udp_port;          /* 4791 */
+	uint32_t payload;           /* payload bytes per data packet (path MTU); multiple of 4 */
+	uint32_t frames;            /* UMEM frames (power of 2; default 8192) */
+	uint32_t frame_size;        /* 4096 */
+	uint32_t ring;              /* ring sizes (default 2048) */
+	uint32_t zero_copy;         /* 0 auto (zero copy if offered), 1 copy only, 2 zero copy only */
+	uint32_t dscp_data;         /* DSCP of data (spray may rewrite it) */
+	uint32_t dscp_ctrl;         /* DSCP of SACK/NACK */
+	uint32_t dscp_trimmed;      /* the DSCP the fabric writes into trimmed frames (12) */
+	uint32_t ack_every;         /* SACK at least every N data packets (8) */
+	uint32_t ack_delay_us;      /* ... or this long after the first unacknowledged one (50) */
+	uint32_t rto_min_us;        /* RTO floor (2000) */
+	uint32_t rto_max_us;        /* RTO ceiling (500000) */
+	uint32_t retry_limit;       /* consecutive timeouts before the QP goes to error (8) */
+	uint32_t loss_reorder;      /* SACK holes this far below the newest SACKed PSN are lost (32) */
+	uint32_t window;            /* PSN window (MPR) in packets, power of 2 <= 16384 (4096) */
+	/* NSCC-style congestion window */
+	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
+	uint32_t cc_min_cwnd;       /* bytes (default 1 packet) */
+	uint32_t cc_max_cwnd;       /* bytes (default window * payload) */
+	uint32_t cc_target_us;      /* target delay (default 200) */
+	uint32_t cc_fair_inc;       /* fair increase: bytes per RTT (default 1 packet) */
+	uint32_t cc_prop_gain;      /* proportional increase gain, percent of acked bytes at RTT 0 (default 100) */
+	uint32_t cc_md_gamma;       /* multiplicative decrease: percent per (rtt-target)/rtt (default 100) */
+	uint32_t cc_max_md;         /* max decrease per RTT, percent (default 50) */
+};
+
+struct mrc_eng_stats {
+	uint64_t rx_frames;         /* frames read from the RX ring */
+	uint64_t rx_bytes;
+	uint64_t rx_data;
+	uint64_t rx_sack;
+	uint64_t rx_nack;
+	uint64_t tx_frames;
+	uint64_t tx_bytes;
+	uint64_t bad_icrc;          /* ICRC mismatch: dropped */
+	uint64_t bad_qpn;           /* no QP with this destination QPN (or another peer): dropped */
+	uint64_t bad_rkey;          /* R_Key unknown, no remote write access, or range outside */
+	uint64_t out_of_window;     /* PSN beyond the receive window: dropped */
+	uint64_t truncated;         /* shorter than its headers / lengths disagree: dropped */
+	uint64_t duplicates;        /* data PSN already received: SACKed again, not placed */
+	uint64_t trimmed;           /* trimmed data frames (answered with NACK TRIMMED) */
+	uint64_t not_mrc;           /* not IPv6/UDP/MRC: dropped */
+	uint64_t tx_ring_full;      /* TX ring or UMEM had no room: retried later */
+	uint64_t fill_empty;        /* no free UMEM frame to refill the fill ring */
+	uint64_t wakeups;           /* sendto() kicks (need_wakeup) */
+	uint64_t loops;             /* progress-thread iterations */
+	uint64_t sleeps;            /* poll() sleeps */
+	uint64_t qps;               /* QPs alive */
+	uint64_t umem_free;         /* TX frames free right now */
+	uint64_t zero_copy;         /* 1 if the socket is bound in zero-copy mode */
+};
+
+struct mrc_qp_stats {
+	uint64_t state;             /* MRC_QPS_* */
+	uint64_t tx_pkts;           /* data packets sent, retransmissions included */
+	uint64_t tx_bytes;          /* payload bytes sent, retransmissions included */
+	uint64_t rtx_pkts;          /* retransmissions, by reason: */
+	uint64_t rtx_timeout;
+	uint64_t rtx_sack;          /* loss seen in a SACK bitmap (RACK) */
+	uint64_t rtx_nack_trim;     /* NACK TRIMMED */
+	uint64_t timeouts;          /* RTO expiries */
+	uint64_t sacks_rx;
+	uint64_t sacks_rx_ecn;      /* SACK M=SKIP_ONCE: forward path CE-marked */
+	uint64_t nacks_rx_trim;
+	uint64_t nacks_rx_other;
+	uint64_t wr_posted;
+	uint64_t wr_done;
+	uint64_t wr_error;
+	uint64_t rx_pkts;           /* data packets placed */
+	uint64_t rx_bytes;          /* payload bytes placed */
+	uint64_t rx_dup;
+	uint64_t rx_msgs;           /* messages received whole */
+	uint64_t rx_ce;             /* data packets that arrived CE-marked */
+	uint64_t sacks_tx;
+	uint64_t nacks_tx_trim;
+	uint64_t nacks_tx_access;
+	uint64_t srtt_ns;
+	uint64_t rttvar_ns;
+	uint64_t min_rtt_ns;
+	uint64_t rto_ns;
+	uint64_t cwnd;              /* bytes */
+	uint64_t inflight;          /* bytes sent, not acked nor declared lost */
+	uint64_t cc_inc_prop;       /* NSCC decisions, per SACK */
+	uint64_t cc_inc_fair;
+	uint64_t cc_dec;
+	uint64_t cc_hold;
+	uint64_t next_psn;          /* next new PSN to send */
+	uint64_t una_psn;           /* oldest PSN not acknowledged */
+	uint64_t rcv_cack;          /* receiver: every PSN below has arrived */
+	uint64_t peer_mpr;          /* the peer's advertised window, PSNs */
+	uint64_t retries;           /* consecutive timeouts now */
+};
+
+struct mrc_eng;
+
+/* Open the socket on opts->ifname (in the calling thread's network namespace), insert
+ * it into opts->xsks_fd at opts->queue, start the progress thread.  NULL on failure,
+ * with one line in err. */
+struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t errlen);
+/* Stop the thread, free everything (QPs, socket, UMEM), remove the XSKMAP entry. */
+void mrc_eng_close(struct mrc_eng *e);
+int  mrc_eng_cq_fd(struct mrc_eng *e);
+void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out);
+/* The options as they are in force (defaults filled in). */
+void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out);
+
+/* Memory regions: the engine reads/writes the memory directly; the caller keeps it
+ * alive until mrc_eng_dereg_mr.  Returns 0 and the key, or -errno. */
+int  mrc_eng_reg_mr(struct mrc_eng *e, uint64_t addr, uint64_t len, uint32_t access, uint32_t *rkey);
+int  mrc_eng_dereg_mr(struct mrc_eng *e, uint32_t rkey);
+
+/* Queue pairs, named by their (local) QPN, 1..2^24-1; 0 asks for a free one. */
+int  mrc_eng_qp_create(struct mrc_eng *e, uint32_t qpn, uint32_t start_psn, uint32_t *qpn_out);
+int  mrc_eng_qp_connect(struct mrc_eng *e, uint32_t qpn, const uint8_t *peer_addr16,
+			uint32_t remote_qpn, uint32_t remote_start_psn, uint32_t payload);
+int  mrc_eng_qp_destroy(struct mrc_eng *e, uint32_t qpn);
+int  mrc_eng_qp_stats(struct mrc_eng *e, uint32_t qpn, struct mrc_qp_stats *out);
+
+/* Post an RDMA Write (with_imm: Write-with-Immediate) of len bytes at local address
+ * laddr (inside MR lkey) to raddr/rkey of the peer.  0 or -errno. */
+int  mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t laddr,
+			uint32_t lkey, uint64_t len, uint64_t raddr, uint32_t rkey,
+			int with_imm, uint32_t imm);
+/* Take up to max completions; returns how many. */
+int  mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max);
+
+/* ICRC of an IPv6 RoCEv2 packet without its trailer (as mrc_xdp.wire.icrc). */
+uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len);
+
+#endif /* MRC_ENGINE_H */
