@@ -246,6 +246,8 @@ class Instance:
         conns = []
         cm = self.map("mrc_conns")
         for cid, meta in enumerate(self.state.get("connections", [])):
+            if meta is None:        # an id freed by mrc_xdp.conns.remove
+                continue
             raw = cm.lookup(cid)
             d = as_dict(ffi.cast("struct mrc_conn *", ffi.from_buffer(raw)))
             d["peer"] = str(ipaddress.IPv6Address(d["peer"]))

@@ -1,0 +1,188 @@
+"""Tier 2: connections added to and removed from a running datapath (mrc_xdp.conns).
+
+Two namespaces back to back, both loaded (as test_live_pair's pair), each with one
+connection from its config.  A connection added at run time is sprayed like a loaded one;
+removing it leaves no map entry; 1,000 add/remove cycles and concurrent add/remove from
+several processes leave nothing behind.
+"""
+import json
+import multiprocessing
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from mrc_xdp import conns, loader, netns, wire
+from mrc_xdp.config import HostConfig
+from mrc_xdp.maps import Instance
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
+
+A_ADDR, B_ADDR = "fd00:78::a", "fd00:78::b"
+QA, QB = 0x1A0, 0x1B0
+
+
+def _ip(ns, *a):
+    return netns.run_cmd(ns, ["ip"] + list(a))
+
+
+def _mac(ns, dev):
+    return json.loads(_ip(ns, "-j", "link", "show", dev).stdout)[0]["address"]
+
+
+def _cfg(inst, local, peer, lq, rq, gws):
+    return HostConfig.from_dict({
+        "instance": inst, "mode": "ecmp", "local_addr": local,
+        "planes": [{"dev": "p%d" % i, "gateway_mac": m} for i, m in enumerate(gws)],
+        "connections": [{"peer": peer, "local_qpn": lq, "remote_qpn": rq, "ev_per_plane": 4,
+                         "backup_per_plane": 2}]})
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tag = "%x%s" % (os.getpid() & 0xffff, uuid.uuid4().hex[:4])
+    a, b = "cnA-" + tag, "cnB-" + tag
+    ia, ib = "tcA-" + tag, "tcB-" + tag
+    made = []
+    try:
+        for n in (a, b):
+            netns.create(n)
+            made.append(n)
+            _ip(n, "link", "set", "lo", "up")
+            _ip(n, "link", "add", "mrc0", "type", "veth", "peer", "name", "mrc0p")
+            _ip(n, "link", "set", "mrc0", "up")
+            _ip(n, "link", "set", "mrc0p", "up")
+        for p in ("p0", "p1"):
+            _ip(a, "link", "add", p, "type", "veth", "peer", "name", p, "netns", b)
+            _ip(a, "link", "set", p, "up")
+            _ip(b, "link", "set", p, "up")
+        loader.load(_cfg(ia, A_ADDR, B_ADDR, QA, QB, [_mac(b, "p0"), _mac(b, "p1")]), netns_name=a)
+        loader.load(_cfg(ib, B_ADDR, A_ADDR, QB, QA, [_mac(a, "p0"), _mac(a, "p1")]), netns_name=b)
+        yield {"a": a, "b": b, "ia": ia, "ib": ib}
+    finally:
+        for i in (ia, ib):
+            loader.unload(i, quiet_missing=True)
+        for n in made:
+            netns.delete(n)
+
+
+def _send(ns, dev, frame):
+    def go():
+        with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+            s.bind((dev, 0))
+            s.send(frame)
+    netns.run(ns, go)
+
+
+def _ctr(inst):
+    with Instance(inst) as i:
+        return i.counters()
+
+
+def _conn_tx(inst, cid):
+    with Instance(inst) as i:
+        return sum(r["tx_pkts"] for r in i.ev_table(cid))
+
+
+def _wait(pred, timeout=2.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_add_sprays_remove_clears(pair):
+    ia, ib = pair["ia"], pair["ib"]
+    lq, rq = 0x300, 0x301
+    ca = conns.add(ia, B_ADDR, lq, rq, name="rt")
+    cb = conns.add(ib, A_ADDR, rq, lq, name="rt")
+    assert ca["id"] == 1 and cb["id"] == 1
+    # shape and EVs taken from the loaded connection to the same peer (ecmp)
+    with Instance(ia) as inst:
+        c = {x["id"]: x for x in inst.connections()}
+        assert c[1]["ev_per_plane"] == 4 and c[1]["backup_per_plane"] == 2
+        assert c[1]["local_qpn"] == lq and c[1]["remote_qpn"] == rq and c[1]["name"] == "rt"
+        evs0 = {r["ev"] for r in inst.ev_table(0)}
+        evs1 = {r["ev"] for r in inst.ev_table(1)}
+    assert evs1 == evs0 and len(evs1) == 12
+    with pytest.raises(conns.ConnError, match="exists"):
+        conns.add(ia, B_ADDR, lq, 0x999)
+
+    # one data frame of the new connection: sprayed (counted on its EVs), arrives at B
+    before_a, before_b = _ctr(ia), _ctr(ib)
+    f = wire.data_frame(A_ADDR, B_ADDR, rq, 0, b"\x11" * 256, dmac=_mac(pair["a"], "mrc0p"),
+                        smac=_mac(pair["a"], "mrc0"))
+    for _ in range(4):
+        _send(pair["a"], "mrc0", f)
+    assert _wait(lambda: _ctr(ib)["ing_data"] - before_b["ing_data"] == 4)
+    after_a = _ctr(ia)
+    assert after_a["spray_tx"] - before_a["spray_tx"] == 4
+    assert after_a["spray_no_conn"] == before_a["spray_no_conn"]
+    assert _conn_tx(ia, 1) == 4 and _conn_tx(ia, 0) == 0
+    with Instance(ib) as inst:
+        assert sum(r["pkts"] for r in inst.rx_evs() if r["conn"] == 1) == 4
+
+    # remove: nothing of it is left in any map, and its frames are no longer sprayed
+    conns.remove(ia, B_ADDR, lq)
+    conns.remove(ib, A_ADDR, rq)
+    assert conns.leftovers(ia, 1) == [] and conns.leftovers(ib, 1) == []
+    assert [c["id"] for c in conns.list_(ia)] == [0]
+    before = _ctr(ia)
+    _send(pair["a"], "mrc0", f)
+    assert _wait(lambda: _ctr(ia)["spray_no_conn"] - before["spray_no_conn"] == 1)
+    assert _ctr(ia)["spray_tx"] == before["spray_tx"]
+    with pytest.raises(conns.ConnError, match="no connection"):
+        conns.remove(ia, B_ADDR, lq)
+    # the loaded connection is untouched
+    assert conns.leftovers(ia, 0) != [] and len(conns.list_(ia)) == 1
+
+
+def test_thousand_cycles_leave_nothing(pair):
+    ia = pair["ia"]
+    for i in range(1000):
+        q = 0x1000 + (i % 7)
+        c = conns.add(ia, B_ADDR, q, q + 0x100)
+        assert c["id"] == 1
+        conns.remove(ia, B_ADDR, q)
+    assert conns.leftovers(ia, 1) == []
+    assert [c["id"] for c in conns.list_(ia)] == [0]
+    with open("/run/mrc-xdp/%s.json" % ia) as fh:
+        assert len(json.load(fh)["connections"]) == 1
+
+
+def _worker(inst, base, n, q):
+    try:
+        ids = []
+        for i in range(n):
+            c = conns.add(inst, B_ADDR, base + i, base + i + 0x8000)
+            ids.append(c["id"])
+            conns.remove(inst, B_ADDR, base + i)
+        q.put(("ok", ids))
+    except Exception as e:       # reported by the test
+        q.put(("error", "%s: %s" % (type(e).__name__, e)))
+
+
+def test_concurrent_add_remove(pair):
+    """Three processes add and remove their own connections at once: the lock keeps ids
+    unique, and every entry is gone at the end."""
+    ia = pair["ia"]
+    held = [conns.add(ia, B_ADDR, 0x2000 + k, 0x2100 + k)["id"] for k in range(3)]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(ia, 0x10000 * (k + 1), 60, q)) for k in range(3)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    assert all(r[0] == "ok" for r in res), res
+    assert all(i not in held and 1 <= i < 64 for _, ids in res for i in ids)
+    for k in range(3):
+        conns.remove(ia, B_ADDR, 0x2000 + k)
+    assert [c["id"] for c in conns.list_(ia)] == [0]
+    for cid in range(1, 8):
+        assert conns.leftovers(ia, cid) == [], cid
