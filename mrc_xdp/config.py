@@ -45,21 +45,18 @@ import re
 from dataclasses import dataclass, field
 
 from .shared import const
-from .validate import int_in, no_unknown_keys, read_toml
+from . import validate as V
+from .validate import int_in, keyname, no_unknown_keys, read_toml
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
-_MAC = re.compile(r"^([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}$")
 
 
 class ConfigError(ValueError):
     """Invalid configuration; str() is one line naming the key."""
 
 
-def _ipv6(v, key) -> str:
-    try:
-        return str(ipaddress.IPv6Address(v))
-    except (ipaddress.AddressValueError, ValueError, TypeError):
-        raise ConfigError("%s: %r is not an IPv6 address" % (key, v)) from None
+def _ipv6(v, key, unicast=False) -> str:
+    return V.ipv6_addr(v, key, ConfigError, unicast)
 
 
 def _int(v, key, lo, hi) -> int:
@@ -67,21 +64,21 @@ def _int(v, key, lo, hi) -> int:
 
 
 def _str(v, key) -> str:
-    if not isinstance(v, str) or not v:
-        raise ConfigError("%s: expected a non-empty string, got %r" % (key, v))
-    return v
+    return V.string(v, key, ConfigError)
+
+
+def _dev(v, key) -> str:
+    return V.ifname(v, key, ConfigError)
 
 
 def _mac(v, key) -> str:
-    if not isinstance(v, str) or not _MAC.match(v):
-        raise ConfigError("%s: %r is not a MAC address (aa:bb:cc:dd:ee:ff)" % (key, v))
-    return v.lower()
+    return V.unicast_mac(v, key, ConfigError)
 
 
 def _ev_list(v, key: str, nplanes: int, per_plane: int, seen: set) -> list:
     """[[ev, plane, t1], ...] with exactly per_plane EVs in every plane, all distinct."""
     if not isinstance(v, list):
-        raise ConfigError("%s: expected a list of [ev, plane, t1]" % key)
+        raise ConfigError("%s: expected a list of [ev, plane, t1], got %s" % (key, V.show(v)))
     out = []
     for i, item in enumerate(v):
         if not isinstance(item, list) or len(item) != 3:
@@ -204,6 +201,8 @@ class HostConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HostConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("config: expected a table of keys, got %s" % V.show(d))
         top = {"instance", "mode", "local_addr", "app_dev", "fabric_dev", "udp_port",
                "loss_reorder", "loss_thresh", "hop_limit", "dscp", "planes", "connections",
                "srv6_templates"}
@@ -212,27 +211,23 @@ class HostConfig:
             raise ConfigError("local_addr: required (this host's MRC IPv6 address)")
         if not d.get("planes"):
             raise ConfigError("planes: at least one [[planes]] entry is required")
-        cfg = cls(local_addr=_ipv6(d["local_addr"], "local_addr"), planes=[])
+        cfg = cls(local_addr=_ipv6(d["local_addr"], "local_addr", unicast=True), planes=[])
         cfg.instance = _str(d.get("instance", "default"), "instance")
-        if not _NAME.match(cfg.instance):
-            raise ConfigError("instance: %r must be 1-32 of [A-Za-z0-9_.-]" % cfg.instance)
-        cfg.mode = d.get("mode", "ecmp")
-        if cfg.mode not in ("ecmp", "srv6"):
-            raise ConfigError("mode: %r must be 'ecmp' or 'srv6'" % cfg.mode)
-        cfg.app_dev = _str(d.get("app_dev", "mrc0"), "app_dev")
-        cfg.fabric_dev = _str(d.get("fabric_dev", "mrc0p"), "fabric_dev")
+        if not _NAME.fullmatch(cfg.instance):
+            raise ConfigError("instance: %s must be 1-32 of [A-Za-z0-9_.-]" % V.show(cfg.instance))
+        cfg.mode = V.choice(d.get("mode", "ecmp"), "mode", ("ecmp", "srv6"), ConfigError)
+        cfg.app_dev = _dev(d.get("app_dev", "mrc0"), "app_dev")
+        cfg.fabric_dev = _dev(d.get("fabric_dev", "mrc0p"), "fabric_dev")
         cfg.udp_port = _int(d.get("udp_port", cfg.udp_port), "udp_port", 1, 65535)
         cfg.loss_reorder = _int(d.get("loss_reorder", 32), "loss_reorder", 1, 63)
         cfg.loss_thresh = _int(d.get("loss_thresh", 1), "loss_thresh", 1, 1 << 20)
         cfg.hop_limit = _int(d.get("hop_limit", 64), "hop_limit", 1, 255)
-        dscp = d.get("dscp", {})
-        if not isinstance(dscp, dict):
-            raise ConfigError("dscp: expected a table")
+        dscp = V.table(d.get("dscp", {}), "dscp", ConfigError)
         _unknown(dscp, {"data", "ctrl", "rtx", "rewrite"}, "dscp")
         cfg.dscp_data = _int(dscp.get("data", 4), "dscp.data", 0, 63)
         cfg.dscp_ctrl = _int(dscp.get("ctrl", 46), "dscp.ctrl", 0, 63)
         cfg.dscp_rtx = _int(dscp.get("rtx", cfg.dscp_data), "dscp.rtx", 0, 63)
-        cfg.dscp_rewrite = bool(dscp.get("rewrite", True))
+        cfg.dscp_rewrite = V.boolean(dscp.get("rewrite", True), "dscp.rewrite", ConfigError)
 
         maxp = const("MRC_MAX_PLANES")
         planes = d["planes"]
@@ -245,11 +240,11 @@ class HostConfig:
             _unknown(p, {"dev", "gateway_mac", "gateway", "srv6_src", "local_sid"}, k)
             if "dev" not in p:
                 raise ConfigError("%s.dev: required (the plane NIC)" % k)
-            pl = Plane(dev=_str(p["dev"], k + ".dev"))
+            pl = Plane(dev=_dev(p["dev"], k + ".dev"))
             if "gateway_mac" in p:
                 pl.gateway_mac = _mac(p["gateway_mac"], k + ".gateway_mac")
             elif "gateway" in p:
-                pl.gateway = _ipv6(p["gateway"], k + ".gateway")
+                pl.gateway = _ipv6(p["gateway"], k + ".gateway", unicast=True)
             else:
                 raise ConfigError("%s: gateway_mac or gateway is required (the next hop on this plane)" % k)
             if cfg.mode == "srv6":
@@ -266,7 +261,7 @@ class HostConfig:
         if not isinstance(tmpls, dict):
             raise ConfigError("srv6_templates: expected a table of named templates")
         for name, t in tmpls.items():
-            k = "srv6_templates.%s" % name
+            k = "srv6_templates.%s" % keyname(name)
             if not isinstance(t, dict):
                 raise ConfigError("%s: expected a table" % k)
             _unknown(t, {"block", "usids", "t1_pos", "plane_shift", "t1_shift"}, k)
@@ -302,7 +297,7 @@ class HostConfig:
                 if req not in c:
                     raise ConfigError("%s.%s: required" % (k, req))
             conn = Connection(
-                peer=_ipv6(c["peer"], k + ".peer"),
+                peer=_ipv6(c["peer"], k + ".peer", unicast=True),
                 local_qpn=_int(c["local_qpn"], k + ".local_qpn", 3, 0xFFFFFF),
                 remote_qpn=_int(c["remote_qpn"], k + ".remote_qpn", 3, 0xFFFFFF),
                 ev_per_plane=_int(c.get("ev_per_plane", 8), k + ".ev_per_plane", 1,
@@ -310,8 +305,9 @@ class HostConfig:
                 backup_per_plane=_int(c.get("backup_per_plane", 4), k + ".backup_per_plane", 0,
                                       const("MRC_BACKUP_PER_PLANE_MAX")),
                 t1s=_int(c.get("t1s", 1), k + ".t1s", 1, 255),
-                name=str(c.get("name", "")) or "%s/%d" % (c["peer"], c["remote_qpn"]),
             )
+            conn.name = _str(c["name"], k + ".name") if "name" in c else \
+                "%s/%d" % (conn.peer, conn.remote_qpn)
             if "seed" in c:
                 conn.seed = _int(c["seed"], k + ".seed", 0, (1 << 63) - 1)
             if "evs" in c:
@@ -324,8 +320,8 @@ class HostConfig:
                 t = c.get("template")
                 if t is None:
                     raise ConfigError("%s.template: required in srv6 mode (name of a srv6_templates entry)" % k)
-                if t not in cfg.srv6_templates:
-                    raise ConfigError("%s.template: no srv6_templates entry named %r" % (k, t))
+                if not isinstance(t, str) or t not in cfg.srv6_templates:
+                    raise ConfigError("%s.template: no srv6_templates entry named %s" % (k, V.show(t)))
                 conn.template = t
             for key in ((conn.peer, conn.remote_qpn, "tx"), (conn.peer, conn.local_qpn, "rx")):
                 if key in seen:

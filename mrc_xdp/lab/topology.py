@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..shared import const
+from .. import validate as V
 from ..validate import int_in, no_unknown_keys, read_toml
 
 DEFAULT_TOPOLOGY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.toml")
@@ -70,6 +71,7 @@ MAC_OUI = (0x02, 0x6D)  # locally administered; the rest of the MAC is the ifind
 _HOSTNAME = re.compile(r"^[a-z0-9_]{1,8}$")
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.I)
 _RATE_MULT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+MAX_RATE = 10**15       # 1 Pbit/s; the link model keeps a u64 of bits per second
 
 
 class TopologyError(ValueError):
@@ -77,17 +79,21 @@ class TopologyError(ValueError):
 
 
 def parse_rate(v, key: str = "rate") -> int:
-    """'10gbit' / '500mbit' / 1000000 -> bits per second."""
-    if isinstance(v, bool):
-        raise TopologyError("%s: %r is not a rate" % (key, v))
+    """'10gbit' / '500mbit' / 1000000 -> bits per second (0: unlimited), at most MAX_RATE."""
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise TopologyError("%s: %s is not a rate (e.g. \"10gbit\", \"500mbit\")" % (key, V.show(v)))
     if isinstance(v, int):
         if v < 0:
-            raise TopologyError("%s: %d is negative" % (key, v))
-        return v
-    m = _RATE.match(str(v)) if isinstance(v, str) else None
-    if not m:
-        raise TopologyError("%s: %r is not a rate (e.g. \"10gbit\", \"500mbit\")" % (key, v))
-    return int(float(m.group(1)) * _RATE_MULT[m.group(2).lower()])
+            raise TopologyError("%s: %s is negative" % (key, V.show(v)))
+        bps = v
+    else:
+        m = _RATE.fullmatch(v) if len(v) <= 40 else None
+        if not m:
+            raise TopologyError("%s: %s is not a rate (e.g. \"10gbit\", \"500mbit\")" % (key, V.show(v)))
+        bps = int(float(m.group(1)) * _RATE_MULT[m.group(2).lower()])
+    if bps > MAX_RATE:
+        raise TopologyError("%s: %s is above %s" % (key, V.show(v), format_rate(MAX_RATE)))
+    return bps
 
 
 def format_rate(bps: int) -> str:
@@ -337,10 +343,7 @@ def _int(v, key, lo, hi) -> int:
 
 
 def _table(d, key) -> dict:
-    v = d.get(key, {})
-    if not isinstance(v, dict):
-        raise TopologyError("%s: expected a table ([%s])" % (key, key))
-    return v
+    return V.table(d.get(key, {}), key, TopologyError)
 
 
 def _unknown(d: dict, allowed: set, where: str) -> None:
@@ -348,10 +351,7 @@ def _unknown(d: dict, allowed: set, where: str) -> None:
 
 
 def _network(v, key, maxlen) -> ipaddress.IPv6Network:
-    try:
-        net = ipaddress.IPv6Network(v, strict=False)
-    except (ValueError, TypeError):
-        raise TopologyError("%s: %r is not an IPv6 prefix" % (key, v)) from None
+    net = V.ipv6_net(v, key, TopologyError)
     if net.prefixlen > maxlen:
         raise TopologyError("%s: %s is longer than /%d" % (key, net, maxlen))
     return ipaddress.IPv6Network((int(net.network_address) >> (128 - maxlen) << (128 - maxlen), maxlen))
@@ -362,9 +362,8 @@ def from_dict(d: dict, source: str = "") -> Topology:
         raise TopologyError("topology: expected a table")
     _unknown(d, {"name", "mode", "planes", "t0_per_plane", "t1_per_plane", "mtu", "app_mtu",
                  "capacity", "addressing", "linkmodel", "hosts"}, "")
-    mode = d.get("mode", "srv6")
-    if mode not in ("srv6", "ecmp"):
-        raise TopologyError("mode: %r must be \"srv6\" or \"ecmp\"" % (mode,))
+    name = V.string(d.get("name", "lab"), "name", TopologyError)
+    mode = V.choice(d.get("mode", "srv6"), "mode", ("srv6", "ecmp"), TopologyError)
     planes = _int(d.get("planes", 2), "planes", 1, MAX_PLANES)
     t0n = _int(d.get("t0_per_plane", 2), "t0_per_plane", 1, MAX_PER_TIER)
     t1n = _int(d.get("t1_per_plane", 2), "t1_per_plane", 1, MAX_PER_TIER)
@@ -400,8 +399,8 @@ def from_dict(d: dict, source: str = "") -> Topology:
             raise TopologyError("%s: expected a table" % k)
         _unknown(h, {"name", "t0"}, k)
         name = h.get("name")
-        if not isinstance(name, str) or not _HOSTNAME.match(name):
-            raise TopologyError("%s.name: %r must be 1-8 characters of [a-z0-9_]" % (k, name))
+        if not isinstance(name, str) or not _HOSTNAME.fullmatch(name):
+            raise TopologyError("%s.name: %s must be 1-8 characters of [a-z0-9_]" % (k, V.show(name)))
         if re.match(r"^p\d+t[01]s\d+$", name) or name in ("lab",):
             raise TopologyError("%s.name: %r is reserved (switch names are p<n>t0s<i>/p<n>t1s<j>)" % (k, name))
         if name in names:
@@ -411,17 +410,14 @@ def from_dict(d: dict, source: str = "") -> Topology:
             raise TopologyError("%s.t0: required (the T0 index this host joins in every plane)" % k)
         t0 = _int(h["t0"], k + ".t0", 0, t0n - 1)
         hosts.append(Host(name, i, t0, str(ipaddress.IPv6Address(int(base.network_address) | (i + 1)))))
-    per_t0: dict[int, int] = {}
-    for h in hosts:
-        per_t0[h.t0] = per_t0.get(h.t0, 0) + 1
-    topo = Topology(name=str(d.get("name", "lab")), mode=mode, planes=planes, t0_per_plane=t0n,
+    ends = 2 * planes * (len(hosts) + t0n * t1n)     # the links _derive makes, before making them
+    if ends > LINK_MAX:
+        raise TopologyError("hosts/planes: %d link ends exceed the link model's %d" % (ends, LINK_MAX))
+    topo = Topology(name=name, mode=mode, planes=planes, t0_per_plane=t0n,
                     t1_per_plane=t1n, hosts=hosts, rate_host=rate_host, rate_fabric=rate_fab,
                     base=base, block=block, mtu=mtu, app_mtu=app_mtu, linkmodel=lmd,
                     source=source)
     topo._derive()
-    ends = 2 * len(topo.links)
-    if ends > LINK_MAX:
-        raise TopologyError("hosts/planes: %d link ends exceed the link model's %d" % (ends, LINK_MAX))
     return topo
 
 
