@@ -11,8 +11,13 @@ next-csid, 32-bit block, 16-bit uSIDs) plus /48 routes to the next uSIDs; in ecm
 entries are static, so no packet waits on NDP.
 
 State: /run/mrc-xdp/lab-<prefix>.json (for status/down from another process); link
-model pins under /sys/fs/bpf/mrc/lab-<prefix>/.  ``down`` removes everything it finds by
-prefix, so it also cleans a lab whose ``up`` was killed midway.
+model pins under /sys/fs/bpf/mrc/lab-<prefix>/.  The state records everything the lab
+creates (namespaces, pin dirs, host datapath instances, loader worker pids), each entry
+written (atomically, fsync'd) *before* the creation, so ``down`` also cleans a lab whose
+``up`` was killed midway, and removes nothing it did not record: a namespace that merely
+matches the prefix (someone else's, or another lab's) is left alone and named.  ``up``
+refuses a prefix that overlaps another lab's (one is a prefix of the other) and names
+that already exist.
 
     state = fabric.up(topology.load(), prefix="mrc-", progress=print)
     fabric.down("mrc-")
@@ -20,10 +25,12 @@ prefix, so it also cleans a lab whose ``up`` was killed midway.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -34,7 +41,8 @@ from . import linkmodel as lmod
 from .topology import Topology, from_dict
 
 DEFAULT_PREFIX = "mrc-"
-_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,16}$")
+PREFIX_MAX = 16   # + a host name (<= 8) = an instance name well inside the 32 allowed
+_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,%d}" % (PREFIX_MAX - 1))
 
 
 class LabError(RuntimeError):
@@ -52,9 +60,13 @@ class LabAlreadyUp(LabError):
         self.state = state
 
 
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")   # <prefix><host>
+
+
 def check_prefix(prefix: str) -> str:
-    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
-        raise LabError("prefix %r: use 1-16 characters of [A-Za-z0-9_.-]" % (prefix,))
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise LabError("prefix %r: use 1-%d characters of [A-Za-z0-9_-], starting with a letter "
+                       "or digit" % (prefix, PREFIX_MAX))
     return prefix
 
 
@@ -94,11 +106,123 @@ def topology_of(state: dict) -> Topology:
 
 
 def _write_state(state: dict) -> None:
+    """Atomically (temp file, fsync, rename, fsync of the directory)."""
     os.makedirs(STATE_DIR, exist_ok=True)
     tmp = state_path(state["prefix"]) + ".tmp"
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, state_path(state["prefix"]))
+    dfd = os.open(STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+RECORD_KINDS = ("netns", "pins", "instances", "workers")
+
+
+def record(state: dict, kind: str, items) -> None:
+    """Add items to what the lab created and write the state, before creating them."""
+    lst = state.setdefault("created", {}).setdefault(kind, [])
+    for it in items:
+        if it not in lst:
+            lst.append(it)
+    _write_state(state)
+
+
+def unrecord(state: dict, kind: str, item) -> None:
+    """Take back an entry whose creation failed (the thing was not created by us)."""
+    with contextlib.suppress(ValueError):
+        state.get("created", {}).get(kind, []).remove(item)
+    _write_state(state)
+
+
+def created(state: dict, kind: str) -> list:
+    """What the lab recorded as created.  (A state written before records existed names
+    its nodes only: those namespaces are the lab's.)"""
+    if "created" not in state:
+        return sorted(state.get("nodes", {}).values()) if kind == "netns" else []
+    return list(state["created"].get(kind, []))
+
+
+@contextlib.contextmanager
+def _labs_lock():
+    """Serializes the overlap check and the first state write of concurrent `up`s."""
+    os.makedirs(STATE_DIR, exist_ok=True)
+    fd = os.open(os.path.join(STATE_DIR, "lab.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def lab_states() -> dict[str, dict]:
+    """Every lab with a state file here (running, half-built or crashed): {prefix: state}."""
+    out = {}
+    try:
+        names = os.listdir(STATE_DIR)
+    except FileNotFoundError:
+        return out
+    for f in names:
+        if not (f.startswith("lab-") and f.endswith(".json")):
+            continue
+        prefix = f[4:-5]
+        if not _PREFIX.fullmatch(prefix):
+            continue
+        try:
+            with open(os.path.join(STATE_DIR, f)) as fh:
+                st = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if isinstance(st, dict) and st.get("prefix") == prefix:
+            out[prefix] = st
+    return out
+
+
+def overlapping(prefix: str) -> list[str]:
+    """Other labs whose prefix is a prefix of this one, or the other way round."""
+    return sorted(p for p in lab_states() if p != prefix and (p.startswith(prefix) or prefix.startswith(p)))
+
+
+def _proc_start(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of a live, non-zombie process; None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            rest = f.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def worker_record(pid: int) -> dict:
+    """What the state keeps of a worker process: its pid and start time (a pid alone may
+    be reused by an unrelated process by the time `down` runs)."""
+    return {"pid": pid, "start": _proc_start(pid)}
+
+
+def _end_workers(workers, timeout: float = 2.0) -> list[int]:
+    """SIGKILL the recorded workers that still run (same pid *and* start time), wait for
+    them to go.  Returns the pids ended."""
+    ended = []
+    for w in workers:
+        try:
+            pid, start = int(w["pid"]), w.get("start")
+        except (TypeError, KeyError, ValueError):
+            continue
+        if pid > 1 and start is not None and _proc_start(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
+    deadline = time.monotonic() + timeout
+    while any(_proc_start(p) is not None for p in ended) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return ended
 
 
 def running(prefix: str) -> dict | None:
@@ -232,14 +356,28 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
     """
     require_root()
     check_prefix(prefix)
-    st = running(prefix)
-    if st:
-        raise LabAlreadyUp(st)
     t_start = time.monotonic()
-    leftovers = netns.list_names(prefix)
-    if leftovers or os.path.exists(state_path(prefix)) or os.path.exists(pin_dir(prefix)):
-        progress("cleaning up the leftovers of an earlier lab %r" % prefix)
-        down(prefix)
+    nodes = {n: ns_name(prefix, n) for n in topo.nodes}
+    state = {
+        "prefix": prefix, "complete": False, "mode": topo.mode,
+        "topology": topo.to_dict(), "topology_source": topo.source,
+        "nodes": nodes, "pin_dir": pin_dir(prefix), "state_file": state_path(prefix),
+        "started": time.time(), "created": {k: [] for k in RECORD_KINDS},
+    }
+    with _labs_lock():
+        st = running(prefix)
+        if st:
+            raise LabAlreadyUp(st)
+        other = overlapping(prefix)
+        if other:
+            raise LabError("prefix %r overlaps lab %r (one is a prefix of the other, so their names "
+                           "could collide): pick another prefix, or `mrc-xdp lab down --prefix %s` first"
+                           % (prefix, other[0], other[0]))
+        if os.path.exists(state_path(prefix)):
+            progress("cleaning up the leftovers of an earlier lab %r" % prefix)
+            down(prefix)
+        _check_free(topo, prefix, nodes)
+        _write_state(state)        # first, so `down` knows about a half-built lab
 
     # the link model compiles (bcc, ~1.5 s) while the namespaces are built
     compiled: dict = {}
@@ -252,15 +390,6 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
     th = threading.Thread(target=_compile, name="linkmodel-compile", daemon=True)
     th.start()
     lmod.ensure_bpffs()
-
-    nodes = {n: ns_name(prefix, n) for n in topo.nodes}
-    state = {
-        "prefix": prefix, "complete": False, "mode": topo.mode,
-        "topology": topo.to_dict(), "topology_source": topo.source,
-        "nodes": nodes, "pin_dir": pin_dir(prefix), "state_file": state_path(prefix),
-        "started": time.time(),
-    }
-    _write_state(state)        # first, so `down` knows about a half-built lab
     progress("%s" % topo.summary())
 
     iprs: dict[str, object] = {}
@@ -269,7 +398,13 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         from pyroute2 import IPRoute
         t = time.monotonic()
         for node, ns in nodes.items():
-            netns.create(ns)
+            record(state, "netns", [ns])        # before: a crash right after is cleaned too
+            try:
+                netns.create(ns)
+            except netns.NetnsError as e:
+                unrecord(state, "netns", ns)    # not ours (someone made it meanwhile)
+                raise LabError("netns %s: %s: it is not this lab's; remove it or pick another "
+                               "prefix" % (ns, e.strerror or e)) from None
             fds[node] = netns.open_fd(ns)
             with netns.enter(ns):
                 _write_sysctls(_NS_SYSCTLS_COMMON)
@@ -321,6 +456,7 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         if "e" in compiled:
             raise LabError("link model: %s" % compiled["e"])
         lm = lmod.LinkModel.load(compiled["v"])
+        record(state, "pins", [pin_dir(prefix)])
         lm.pin(pin_dir(prefix))
         ends = []
         for name, rx, tx, lk in topo.link_ends():
@@ -331,12 +467,12 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
                  % (len(ends), time.monotonic() - t))
         lm.close()
 
-        state["complete"] = True
         state["fabric_s"] = round(time.monotonic() - t_start, 3)
         if hosts_hook is not None:
             t = time.monotonic()
             state["hosts"] = hosts_hook(topo, prefix, state, progress)
             progress("  host datapaths  %.2fs" % (time.monotonic() - t))
+        state["complete"] = True     # (only now: a crash before leaves an incomplete record)
         state["up_s"] = round(time.monotonic() - t_start, 3)
         _write_state(state)
         progress("lab %r up in %.1fs" % (prefix, state["up_s"]))
@@ -361,44 +497,98 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
 
 # ---------------------------------------------------------------- down
 def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dict:
-    """Remove every namespace, pin and state file of the lab `prefix` (found by prefix,
-    so a half-built or crashed lab goes too).  Returns what was removed."""
+    """Remove what lab `prefix` recorded as created: end its loader workers, unload its
+    host datapaths, delete its namespaces, pin dirs and state files.  Namespaces that only
+    match the prefix (another lab's, or no lab's) are not touched: they are listed under
+    "not_touched".  Works on a half-built or crashed lab (the record precedes every
+    creation).  Returns what was removed."""
     require_root()
     check_prefix(prefix)
     t = time.monotonic()
-    names: set[str] = set()
     try:
         st = load_state(prefix)
-        names.update(st.get("nodes", {}).values())
     except LabNotUp:
         st = None
+    if st is not None and (not isinstance(st, dict) or st.get("prefix") != prefix):
+        st = None
+    names = [n for n in (created(st, "netns") if st else [])
+             if isinstance(n, str) and n.startswith(prefix) and n != prefix]
+    insts = [i for i in (created(st, "instances") if st else [])
+             if isinstance(i, str) and i.startswith(prefix) and _INSTANCE.fullmatch(i)]
+    ended = _end_workers(created(st, "workers")) if st else []
     if unload_hosts is not None and st is not None:
         with contextlib.suppress(Exception):
             unload_hosts(st)
-    found = netns.list_names(prefix)
-    # only names this lab could have made: <prefix><node>
-    names.update(n for n in found if _is_lab_node(n[len(prefix):]))
-    removed_ns = [n for n in sorted(names) if netns.delete(n)]
+    removed_ns = []
+    for n in sorted(set(names)):
+        with contextlib.suppress(ValueError):       # a damaged record: not a netns name
+            if netns.delete(n):
+                removed_ns.append(n)
     pins = []
-    for d in _pin_dirs(prefix, names):
-        if os.path.isdir(d):
+    recorded_pins = (created(st, "pins") if st else []) + [os.path.join(PIN_ROOT, i) for i in insts]
+    for d in recorded_pins:
+        if _inside(d, PIN_ROOT) and os.path.isdir(d):
             shutil.rmtree(d, ignore_errors=True)
             pins.append(d)
-    with contextlib.suppress(OSError):      # the shared /sys/fs/bpf/mrc, once empty
-        os.rmdir(os.path.dirname(pin_dir(prefix)))
+    for i in insts:                  # host datapath instances' state (loader)
+        f = os.path.join(STATE_DIR, i + ".json")
+        if _inside(f, STATE_DIR):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f)
     had_state = False
-    for n in sorted(names):            # host datapath instances' state (loader)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(STATE_DIR, n + ".json"))
     for p in (state_path(prefix), state_path(prefix) + ".tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
             had_state = True
+    others = lab_states()
+    skipped = [n for n in netns.list_names(prefix) if n not in removed_ns]
     res = {"prefix": prefix, "netns": removed_ns, "pins": pins, "state_file": had_state,
+           "workers_ended": ended, "not_touched": skipped,
            "down_s": round(time.monotonic() - t, 3)}
     progress("lab %r down: %d namespaces, %d pin dirs removed in %.2fs"
              % (prefix, len(removed_ns), len(pins), res["down_s"]))
+    if ended:
+        progress("  ended %d loader worker(s) of a killed `lab up`: pid %s"
+                 % (len(ended), ", ".join(map(str, ended))))
+    if skipped:
+        progress("  not touching %d namespace(s) matching %r that lab %r did not create: %s"
+                 % (len(skipped), prefix, prefix, _owners(skipped, others)))
     return res
+
+
+def _inside(path: str, root: str) -> bool:
+    r = os.path.realpath(root)
+    p = os.path.realpath(path)
+    return p != r and p.startswith(r + os.sep)
+
+
+def _owners(names: list[str], labs: dict) -> str:
+    """'12 of lab 'x' (its own `down` removes them), rel-victim'."""
+    out, rest = [], list(names)
+    for p, st in sorted(labs.items()):
+        mine = [n for n in rest if n in created(st, "netns")]
+        if mine:
+            out.append("%d of lab %r (`mrc-xdp lab down --prefix %s`)" % (len(mine), p, p))
+            rest = [n for n in rest if n not in mine]
+    out += rest[:10] + (["... (%d more)" % (len(rest) - 10)] if len(rest) > 10 else [])
+    return ", ".join(out)
+
+
+def _check_free(topo: Topology, prefix: str, nodes: dict) -> None:
+    """Every name the lab will create is free (a namespace, pin dir or datapath instance of
+    that name is someone else's: never adopted, so never deleted by our `down`)."""
+    for ns in nodes.values():
+        if netns.exists(ns):
+            raise LabError("netns %s already exists and is not lab %r's: remove it (`ip netns del %s`) "
+                           "or pick another prefix" % (ns, prefix, ns))
+    if os.path.exists(pin_dir(prefix)):
+        raise LabError("%s exists and is not lab %r's: remove it or pick another prefix"
+                       % (pin_dir(prefix), prefix))
+    for h in topo.hosts:
+        inst = prefix + h.name
+        if os.path.exists(os.path.join(PIN_ROOT, inst)) or os.path.exists(os.path.join(STATE_DIR, inst + ".json")):
+            raise LabError("datapath instance %s is loaded and is not lab %r's: `mrc-xdp unload -i %s` "
+                           "or pick another prefix" % (inst, prefix, inst))
 
 
 _NODE = re.compile(r"^(p\d+t[01]s\d+|[a-z0-9_]{1,8})$")
@@ -408,25 +598,22 @@ def _is_lab_node(node: str) -> bool:
     return bool(_NODE.match(node))
 
 
-def _pin_dirs(prefix: str, ns_names) -> list[str]:
-    """The link model's pin dir and the host datapath instances' (<prefix><host>)."""
-    out = [pin_dir(prefix)]
-    for n in sorted(ns_names):
-        out.append(os.path.join(PIN_ROOT, n))
-    return out
-
-
 def leftovers(prefix: str) -> dict:
-    """What of lab `prefix` exists right now (tests assert this is empty after down)."""
-    ns = netns.list_names(prefix)
-    ns = [n for n in ns if _is_lab_node(n[len(prefix):])]
-    pins = [d for d in _pin_dirs(prefix, ns) if os.path.exists(d)]
+    """What a lab `prefix` could have made that exists right now: names <prefix><node>
+    that no other lab recorded (tests assert this is empty after down)."""
+    theirs = set()
+    for p, st in lab_states().items():
+        if p != prefix:
+            theirs.update(created(st, "netns"))
+            theirs.update(created(st, "instances"))
+    ns = [n for n in netns.list_names(prefix) if _is_lab_node(n[len(prefix):]) and n not in theirs]
+    pins = [pin_dir(prefix)] if os.path.exists(pin_dir(prefix)) else []
     if os.path.isdir(PIN_ROOT):
         pins += [os.path.join(PIN_ROOT, d) for d in os.listdir(PIN_ROOT)
-                 if (d == "lab-" + prefix or (d.startswith(prefix) and _is_lab_node(d[len(prefix):])))
-                 and os.path.join(PIN_ROOT, d) not in pins]
-    files = [state_path(prefix)] + [os.path.join(STATE_DIR, n + ".json") for n in ns]
+                 if d.startswith(prefix) and _is_lab_node(d[len(prefix):]) and d not in theirs]
+    files = [state_path(prefix)] if os.path.exists(state_path(prefix)) else []
     if os.path.isdir(STATE_DIR):
         files += [os.path.join(STATE_DIR, f) for f in os.listdir(STATE_DIR)
-                  if f.startswith(prefix) and f.endswith(".json") and _is_lab_node(f[len(prefix):-5])]
-    return {"netns": ns, "pins": pins, "state_file": sorted({f for f in files if os.path.exists(f)})}
+                  if f.startswith(prefix) and f.endswith(".json") and _is_lab_node(f[len(prefix):-5])
+                  and f[:-5] not in theirs]
+    return {"netns": ns, "pins": sorted(pins), "state_file": sorted(set(files))}

@@ -205,8 +205,25 @@ def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm) -> di
             "connections": len(cfg.connections)}
 
 
-def _load_some(topo, prefix, names, cfgs, pin_dir, conn):
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """In a forked child: SIGKILL when the parent dies (PR_SET_PDEATHSIG), and exit now if
+    it already has (the signal is only sent for a death after the prctl)."""
+    import ctypes
+    import signal
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(1)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _load_some(topo, prefix, names, cfgs, pin_dir, conn, parent=None):
     """Worker process: load some hosts, report through a pipe."""
+    if parent is not None:
+        die_with_parent(parent)
     out = {}
     try:
         lm = lmod.LinkModel.open(pin_dir)
@@ -224,6 +241,7 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
     """Load every host's datapath (in parallel worker processes: each bcc compile is
     ~1.5 s of one CPU).  Returns {host: {instance, load_s, connections}}."""
     import multiprocessing as mp
+    from . import fabric
     from .fabric import LabError
     evs = None
     if topo.mode == "ecmp" and topo.t1_per_plane > 1:
@@ -233,15 +251,21 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
     names = [h.name for h in topo.hosts]
     workers = max(1, min(workers or os.cpu_count() or 1, len(names)))
     groups = [names[i::workers] for i in range(workers)]
+    # recorded before anything is loaded: `lab down` removes them after any crash
+    fabric.record(state, "instances", [cfgs[n].instance for n in names])
     ctx = mp.get_context("fork")
     procs = []
+    me = os.getpid()
     for g in groups:
         r, w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_load_some, args=(topo, prefix, g, cfgs, state["pin_dir"], w),
+        # the workers die with this process (PR_SET_PDEATHSIG), and `lab down` ends any
+        # recorded one still running (by pid and start time)
+        p = ctx.Process(target=_load_some, args=(topo, prefix, g, cfgs, state["pin_dir"], w, me),
                         daemon=True)
         p.start()
         w.close()
         procs.append((g, p, r))
+        fabric.record(state, "workers", [fabric.worker_record(p.pid)])
     result, errors = {}, []
     for g, p, r in procs:
         try:
@@ -264,8 +288,11 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
 def unload_all(state: dict) -> None:
     """Detach and unpin every host datapath of a lab (down removes the namespaces anyway)."""
     from .. import loader
-    for inst in (state.get("hosts") or {}).values():
+    from .fabric import created
+    names = [v["instance"] for v in (state.get("hosts") or {}).values()]
+    names += [i for i in created(state, "instances") if i not in names]
+    for inst in names:
         try:
-            loader.unload(inst["instance"], quiet_missing=True)
+            loader.unload(inst, quiet_missing=True)
         except Exception:
             pass
