@@ -221,3 +221,29 @@ def test_kill_9_during_host_loads_leaves_no_worker_and_down_leaves_nothing():
     assert fabric.leftovers(p) == NOTHING
     assert not [d for d in os.listdir(fabric.PIN_ROOT) if d.startswith(p)] \
         if os.path.isdir(fabric.PIN_ROOT) else True
+
+
+@root
+def test_down_ends_the_recorded_workers_and_only_them():
+    """A worker recorded in the lab state that still runs (here: one that escaped the
+    parent-death signal) is ended by `down`; a recorded pid whose start time differs (the
+    pid was reused by another process) is left alone."""
+    p = base() + "-"
+    kw = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    ours = subprocess.Popen(["sleep", "60"], **kw)
+    other = subprocess.Popen(["sleep", "60"], **kw)
+    try:
+        rec = fabric.worker_record(other.pid)
+        rec["start"] -= 1
+        fabric._write_state({"prefix": p, "complete": False, "nodes": {},
+                             "created": {"workers": [fabric.worker_record(ours.pid), rec]}})
+        res = fabric.down(p)
+        assert res["workers_ended"] == [ours.pid]
+        assert ours.wait(timeout=2) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for x in (ours, other):
+            x.kill()
+            x.wait()
+        fabric.down(p)
+    assert fabric.leftovers(p) == NOTHING
