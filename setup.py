@@ -14,14 +14,13 @@ from setuptools import find_packages, setup
 VERSION = "0.1.0"
 
 # ---------------------------------------------------------------------------------
-# C extension: the transport engine (future).  Its hot loop will be C built with cffi
-# at install time.  When it lands, point CFFI_MODULES at its builder, e.g.
-#     CFFI_MODULES = ["mrc_xdp/engine_build.py:ffibuilder"]
-# (cffi's setuptools hook, from Debian's python3-cffi, then builds it in place for the
-# editable install) and add its sources to STAMP_INPUTS in scripts/setup.sh so that
-# `make setup` rebuilds it when they change.  .gitignore already covers the
-# generated /mrc_xdp/_engine*.c and *.so.
-CFFI_MODULES: list[str] = []
+# C extension: the transport engine (mrc_xdp/engine/engine.c, AF_XDP via libxdp, zlib's
+# CRC-32), built with cffi in API mode at install time by mrc_xdp/engine/build.py into
+# mrc_xdp/_engine*.so (cffi's setuptools hook, from Debian's python3-cffi, builds it in
+# place for the editable install).  Its sources are in STAMP_INPUTS of scripts/setup.sh,
+# so `make setup` rebuilds it when they change.  .gitignore covers the generated
+# /mrc_xdp/_engine*.c and *.so.
+CFFI_MODULES: list[str] = ["mrc_xdp/engine/build.py:ffibuilder"]
 # ---------------------------------------------------------------------------------
 
 extra = {}
@@ -40,7 +39,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["mrc_xdp", "mrc_xdp.*"]) + ["mrc_xdp.bpf"],
     package_dir={"mrc_xdp.bpf": "bpf"},
-    package_data={"mrc_xdp.bpf": ["*.h", "*.c"], "mrc_xdp.lab": ["*.toml"]},
+    package_data={"mrc_xdp.bpf": ["*.h", "*.c"], "mrc_xdp.lab": ["*.toml"],
+                  "mrc_xdp.engine": ["*.h", "*.c"]},
     include_package_data=False,
     zip_safe=False,
     # Debian packages provide these (python3-cffi, python3-pyroute2, python3-scapy) and

@@ -25,18 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import ipaddress
 import os
 import select
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
 
-from . import bpfsys, maps, netns
+from . import bpfsys, maps
+from . import netns as _netns
 
 ACCESS_LOCAL = 1            # engine.h MRC_ENG_ACCESS_LOCAL
 ACCESS_REMOTE_WRITE = 2     # engine.h MRC_ENG_ACCESS_REMOTE_WRITE
 XSKMAP = "mrc_xsks"
+SIOCGIFMTU = 0x8921
 
 # Per-packet overhead of a data frame on app_dev, beyond the payload:
 # IPv6 40 + UDP 8 + BTH 12 + METH 4 + RETH 16 + ImmDt 4 + ICRC 4 (MTU counts from IPv6).
@@ -107,13 +112,16 @@ def _check(rc: int, what: str) -> int:
     return rc
 
 
-def _read_dev(ns, dev, attr) -> str:
+def _dev_mtu(ns, dev) -> int:
+    """MTU of dev in netns ns (SIOCGIFMTU on a socket made inside it: /sys/class/net
+    shows the namespace sysfs was mounted in, not the thread's)."""
     def rd():
-        with open("/sys/class/net/%s/%s" % (dev, attr)) as f:
-            return f.read().strip()
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            r = fcntl.ioctl(s, SIOCGIFMTU, struct.pack("16si12x", dev.encode(), 0))
+            return struct.unpack("16si12x", r)[1]
     try:
-        return netns.run(ns, rd)
-    except FileNotFoundError:
+        return _netns.run(ns, rd)
+    except OSError:
         raise TransportError("%s: no such device%s: load the datapath on this host first" % (
             dev, " in netns %s" % ns if ns else "")) from None
 
@@ -362,7 +370,7 @@ class Endpoint:
         finally:
             inst.close()
         self.dev = inst.state.get("app_dev", "mrc0")
-        dev_mtu = int(_read_dev(self.netns, self.dev, "mtu"))
+        dev_mtu = _dev_mtu(self.netns, self.dev)
         if mtu is None:
             mtu = default_payload(dev_mtu)
         if mtu <= 0 or mtu % 4 or mtu + DATA_OVERHEAD > dev_mtu:
@@ -390,7 +398,7 @@ class Endpoint:
         o.xsks_fd = xfd
         err = ffi.new("char[]", 256)
         try:
-            with netns.enter(self.netns):
+            with _netns.enter(self.netns):
                 self._e = lib.mrc_eng_open(o, err, 256)
         finally:
             os.close(xfd)

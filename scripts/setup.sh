@@ -25,6 +25,7 @@ command -v dpkg-query >/dev/null && command -v apt-get >/dev/null \
 # "bcc" is unrelated and must never be installed.
 APT_PKGS=(
     python3-bpfcc bpfcc-tools libbpf1 libbpf-dev     # BPF: bcc loads, libbpf runs/pins
+    libxdp-dev zlib1g-dev                            # transport engine: AF_XDP, CRC-32
     python3-venv python3-dev python3-cffi gcc make   # venv, cffi (shared header, engine)
     python3-scapy python3-pyroute2 python3-pytest    # packets, netlink, tests
     iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
@@ -88,12 +89,15 @@ mkdir -p "$LOG_DIR"
 PIP_PKGS=()
 
 # Editable install: reinstalled only when its inputs change (setup.py, pyproject.toml,
-# PIP_PKGS).  When the cffi-built transport engine lands, add its sources here.
-STAMP_INPUTS=(setup.py pyproject.toml)
+# PIP_PKGS, the sources of the cffi-built transport engine), or when the engine's
+# compiled module is missing.
+STAMP_INPUTS=(setup.py pyproject.toml mrc_xdp/engine/engine.c mrc_xdp/engine/engine.h
+              mrc_xdp/engine/build.py)
 stamp=$VENV/.mrc-xdp-installed
 want=$( { for f in "${STAMP_INPUTS[@]}"; do [ -f "$f" ] && cat "$f"; done; echo "${PIP_PKGS[*]-}"; } \
         | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ]; then
+engine_so=$(compgen -G "mrc_xdp/_engine*.so" || true)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ] || [ -z "$engine_so" ]; then
     pip_log=$LOG_DIR/pip.log
     : >"$pip_log"
     if [ ${#PIP_PKGS[@]} -gt 0 ]; then
@@ -125,11 +129,12 @@ if not bcc.__file__.startswith("/usr/lib/python3/dist-packages/"):
              % bcc.__file__)
 try:
     import mrc_xdp  # noqa: F401
+    import mrc_xdp._engine  # noqa: F401
 except Exception as e:
-    sys.exit("setup: error: .venv cannot import mrc_xdp (%s: %s): run make clean && make setup"
-             % (type(e).__name__, e))
+    sys.exit("setup: error: .venv cannot import mrc_xdp or its transport engine (%s: %s): "
+             "run make clean && make setup" % (type(e).__name__, e))
 EOF
-say "imports: bcc, scapy, pyroute2, cffi, mrc_xdp ok"
+say "imports: bcc, scapy, pyroute2, cffi, mrc_xdp (with its engine) ok"
 
 # bcc compiles and loads a trivial XDP program (a fraction of a second).
 bcc_log=$LOG_DIR/bcc-check.log

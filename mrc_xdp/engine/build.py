@@ -3,6 +3,7 @@
 setup.py lists it in CFFI_MODULES ("mrc_xdp/engine/build.py:ffibuilder"), so
 `pip install -e .` (scripts/setup.sh) compiles engine.c against libxdp, libbpf and
 zlib into mrc_xdp/_engine*.so.  Rebuild by hand: .venv/bin/python mrc_xdp/engine/build.py
+(setup.py build_ext --inplace)
 """
 import os
 import re
@@ -35,12 +36,14 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "mrc_xdp._engine",
     '#include "engine.h"\n',
+    # relative to the root (setup.py runs there): objects go under build/, not next to it
     sources=[os.path.relpath(os.path.join(HERE, "engine.c"), ROOT)],
     include_dirs=[HERE, BPF],
     libraries=["xdp", "bpf", "z", "pthread"],
     extra_compile_args=["-O2", "-g", "-Wall", "-Wno-unused-function", "-std=gnu11"],
 )
 
-if __name__ == "__main__":
-    os.chdir(ROOT)
-    ffibuilder.compile(verbose=False)
+if __name__ == "__main__":      # rebuild in place, as `pip install -e .` does
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=ROOT, check=True)

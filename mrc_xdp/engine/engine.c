@@ -1,0 +1,1623 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR BSD-2-Clause) */
+/*
+ * engine.c - the MRC transport engine: reliable multipath RDMA Write over AF_XDP.
+ *
+ * One endpoint: one AF_XDP socket (libxdp, program load inhibited: the datapath's
+ * to_engine program redirects into its XSKMAP), one UMEM split into RX frames (always
+ * on the fill ring or in the RX ring) and TX frames (a free stack, back through the
+ * completion ring), and one progress thread.  The thread loops: RX batch (verify ICRC,
+ * place data, SACK/NACK bookkeeping), completions, timers (delayed SACKs, RTO), TX
+ * (retransmissions first, then new packets within the PSN window and the congestion
+ * window), fill-ring refill; it sleeps in ppoll() on the socket and an eventfd when
+ * there is nothing to do, with the nearest timer as timeout (no spinning at 0 load).
+ *
+ * Wire format per docs/mrc-wire.md, constants from bpf/mrc_shared.h.
+ *   data: Eth | IPv6 | UDP 4791 | BTH | METH | RETH | [ImmDt] | payload | pad | ICRC
+ *     RETH on every packet: VA = where THIS packet's payload goes, R_Key, DMA length =
+ *     length of the whole message (so any packet tells the receiver the message size).
+ *     ImmDt only on the last packet of a Write-with-Immediate; AckReq on the last
+ *     packet of every message.
+ *   SACK: BTH(psn = cack) | SETH | CC_STATE; NACK: BTH | NETH.
+ * ACK coalescing (receiver): a SACK after every ack_every data packets, or ack_delay_us
+ * after the first unacknowledged one, and at once for a packet that leaves a hole, a
+ * CE-marked packet, a duplicate, or one with AckReq.
+ * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN missing
+ * from a SACK bitmap at least loss_reorder below its highest set bit (or below the
+ * bitmap) is lost if its last transmission was sent before the packet that triggered the
+ * SACK; NACK TRIMMED: retransmit at once; RTO with exponential backoff, retry_limit
+ * consecutive expiries without progress -> QP error.  Selective retransmission only.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <linux/types.h>
+#include <linux/if_xdp.h>
+#include <bpf/bpf.h>
+#include <xdp/xsk.h>
+#include <zlib.h>
+
+#include "mrc_shared.h"
+#include "engine.h"
+
+#define PSN_MASK   0xFFFFFFu
+#define PSN_HALF   0x800000u
+#define RX_BATCH   64
+#define TX_BUDGET  64          /* packets per QP per loop */
+#define QP_HASH    1024
+#define UDP_HLEN   8
+#define HDR_DATA   (MRC_ETH_LEN + MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN + MRC_METH_LEN + MRC_RETH_LEN)
+#define OFF_IP6    MRC_ETH_LEN
+#define OFF_UDP    (OFF_IP6 + MRC_IPV6_LEN)
+#define OFF_BTH    (OFF_UDP + UDP_HLEN)
+#define OFF_EXT    (OFF_BTH + MRC_BTH_LEN)
+#define ECT0       2
+
+static inline uint32_t psn_sub(uint32_t a, uint32_t b) { return (a - b) & PSN_MASK; }
+
+static inline uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static inline uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static inline uint32_t get24(const uint8_t *p) { return (uint32_t)p[0] << 16 | p[1] << 8 | p[2]; }
+static inline uint32_t get32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | p[2] << 8 | p[3]; }
+static inline uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) << 32 | get32(p + 4); }
+static inline void put16(uint8_t *p, uint16_t v) { p[0] = v >> 8; p[1] = v; }
+static inline void put24(uint8_t *p, uint32_t v) { p[0] = v >> 16; p[1] = v >> 8; p[2] = v; }
+static inline void put32(uint8_t *p, uint32_t v) { p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v; }
+static inline void put64(uint8_t *p, uint64_t v) { put32(p, v >> 32); put32(p + 4, (uint32_t)v); }
+
+/* ------------------------------------------------------------------ ICRC */
+
+/* As mrc_xdp/wire.py icrc(): CRC-32 over 8 bytes of 0xFF (masked LRH), then the IPv6
+ * packet with traffic class, flow label and hop limit all ones, UDP checksum 0xFFFF,
+ * BTH byte 4 0xFF; ip6 excludes the trailer. */
+uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len)
+{
+	static const uint8_t lrh[8] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
+	uint8_t hdr[MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN];
+	uLong crc;
+
+	if (len < sizeof(hdr))
+		return 0;
+	memcpy(hdr, ip6, sizeof(hdr));
+	hdr[0] |= 0x0F;
+	hdr[1] = hdr[2] = hdr[3] = 0xFF;
+	hdr[7] = 0xFF;
+	hdr[MRC_IPV6_LEN + 6] = hdr[MRC_IPV6_LEN + 7] = 0xFF;
+	hdr[MRC_IPV6_LEN + UDP_HLEN + 4] = 0xFF;
+	crc = crc32(0L, lrh, sizeof(lrh));
+	crc = crc32(crc, hdr, sizeof(hdr));
+	crc = crc32(crc, ip6 + sizeof(hdr), len - sizeof(hdr));
+	return (uint32_t)crc;
+}
+
+static inline void put_icrc(uint8_t *p, uint32_t v)
+{
+#if MRC_ICRC_LITTLE_ENDIAN
+	p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24;
+#else
+	put32(p, v);
+#endif
+}
+
+static inline uint32_t get_icrc(const uint8_t *p)
+{
+#if MRC_ICRC_LITTLE_ENDIAN
+	return (uint32_t)p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24;
+#else
+	return get32(p);
+#endif
+}
+
+/* ------------------------------------------------------------------ state */
+
+struct mr {
+	uint64_t addr, len;
+	uint32_t rkey, access;
+	int used;
+};
+
+struct wr {
+	struct wr *next;
+	uint64_t wr_id;
+	uint64_t laddr, len, raddr;
+	uint32_t rkey, imm;
+	int with_imm;
+	uint16_t msn;
+	uint32_t first_psn;      /* valid once packetising started */
+	uint32_t npkts;
+	uint32_t acked;          /* packets acknowledged */
+	int started;
+};
+
+enum { TXP_FREE = 0, TXP_INFLIGHT, TXP_ACKED, TXP_LOST };
+
+struct txp {                 /* one sent PSN (slot psn & (win - 1)) */
+	struct wr *wr;
+	uint64_t off;            /* offset of its payload in the WR */
+	uint64_t tx_ns;
+	uint64_t txseq;          /* the QP's send order of the last transmission */
+	uint32_t psn, len;
+	uint8_t state, nsent, queued, last;
+};
+
+struct rmsg {                /* receiver: one message by MSN */
+	uint64_t dlen, got;
+	uint32_t imm;
+	uint16_t msn;
+	uint8_t valid, has_imm, has_last;
+};
+
+struct qp {
+	struct qp *hnext, *next, *prev;
+	uint32_t qpn, rqpn, state, win, mask, payload;
+	uint8_t peer[16];
+	/* sender */
+	uint32_t snd_next, snd_una;
+	struct wr *wr_head, *wr_tail, *wr_cur;   /* wr_cur: next to packetise */
+	uint64_t cur_off;
+	uint16_t msn_next;
+	struct txp *tx;
+	uint32_t *rtxq;
+	uint32_t rtx_head, rtx_tail;             /* ring of PSNs to retransmit */
+	uint64_t txseq;
+	uint64_t cwnd, inflight;
+	uint64_t srtt, rttvar, min_rtt, rto, last_md_ns, rto_deadline;
+	uint32_t retries, peer_mpr;
+	/* receiver */
+	uint32_t rcv_cack, rcv_ooo;
+	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
+	struct rmsg *msgs;                       /* win entries, by msn & mask */
+	uint16_t rmsn_next;
+	uint32_t ack_pending, ack_psn, ack_ev, ack_ce;
+	uint64_t ack_deadline, rcvd_bytes;
+	int ack_now;
+	struct mrc_qp_stats st;
+};
+
+struct mrc_eng {
+	struct mrc_eng_opts o;
+	pthread_mutex_t mu;          /* QPs, MRs, WRs: everything but the CQ */
+	pthread_mutex_t cq_mu;
+	pthread_t thr;
+	int thr_started;
+	atomic_int stop;
+	int wake_fd, cq_fd, xsk_fd;
+	/* AF_XDP */
+	void *area;
+	uint64_t area_len;
+	struct xsk_umem *umem;
+	struct xsk_socket *xsk;
+	struct xsk_ring_prod fill, tx;
+	struct xsk_ring_cons comp, rx;
+	uint64_t *tx_free;
+	uint32_t n_tx_free, n_tx_frames, n_rx_frames;
+	uint32_t tx_pending;         /* descriptors submitted, not yet kicked */
+	/* QPs, MRs */
+	struct qp *qph[QP_HASH];
+	struct qp *qps;              /* all QPs, a list */
+	uint32_t nqps, next_qpn;
+	struct mr *mrs;
+	uint32_t nmrs, cap_mrs;
+	/* CQ */
+	struct mrc_eng_wc *cq;
+	uint32_t cq_head, cq_len, cq_cap;
+	struct mrc_eng_stats st;
+};
+
+/* ------------------------------------------------------------------ completions */
+
+static void cq_push(struct mrc_eng *e, uint64_t wr_id, uint32_t qpn, uint32_t status,
+		    uint32_t opcode, uint32_t byte_len, int has_imm, uint32_t imm)
+{
+	struct mrc_eng_wc *w;
+	uint64_t one = 1;
+
+	pthread_mutex_lock(&e->cq_mu);
+	if (e->cq_len == e->cq_cap) {
+		uint32_t cap = e->cq_cap ? e->cq_cap * 2 : 1024, i;
+		struct mrc_eng_wc *n = malloc(sizeof(*n) * cap);
+
+		if (!n) {
+			pthread_mutex_unlock(&e->cq_mu);
+			return;
+		}
+		for (i = 0; i < e->cq_len; i++)
+			n[i] = e->cq[(e->cq_head + i) % e->cq_cap];
+		free(e->cq);
+		e->cq = n;
+		e->cq_head = 0;
+		e->cq_cap = cap;
+	}
+	w = &e->cq[(e->cq_head + e->cq_len) % e->cq_cap];
+	w->wr_id = wr_id;
+	w->qpn = qpn;
+	w->status = status;
+	w->opcode = opcode;
+	w->byte_len = byte_len;
+	w->imm = imm;
+	w->has_imm = has_imm;
+	if (e->cq_len++ == 0)
+		(void)!write(e->cq_fd, &one, sizeof(one));
+	pthread_mutex_unlock(&e->cq_mu);
+}
+
+int mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max)
+{
+	uint64_t v;
+	int n = 0;
+
+	pthread_mutex_lock(&e->cq_mu);
+	while (n < max && e->cq_len) {
+		wc[n++] = e->cq[e->cq_head];
+		e->cq_head = (e->cq_head + 1) % e->cq_cap;
+		e->cq_len--;
+	}
+	if (!e->cq_len)
+		(void)!read(e->cq_fd, &v, sizeof(v));   /* nonblocking: drain */
+	pthread_mutex_unlock(&e->cq_mu);
+	return n;
+}
+
+int mrc_eng_cq_fd(struct mrc_eng *e) { return e->cq_fd; }
+
+/* ------------------------------------------------------------------ MRs */
+
+static struct mr *mr_find(struct mrc_eng *e, uint32_t rkey)
+{
+	uint32_t slot = (rkey >> 8) - 1;
+
+	if ((rkey >> 8) == 0 || slot >= e->nmrs || !e->mrs[slot].used || e->mrs[slot].rkey != rkey)
+		return NULL;
+	return &e->mrs[slot];
+}
+
+int mrc_eng_reg_mr(struct mrc_eng *e, uint64_t addr, uint64_t len, uint32_t access, uint32_t *rkey)
+{
+	uint32_t i;
+	struct mr *m;
+
+	pthread_mutex_lock(&e->mu);
+	for (i = 0; i < e->nmrs; i++)
+		if (!e->mrs[i].used)
+			break;
+	if (i == e->nmrs) {
+		if (e->nmrs == e->cap_mrs) {
+			uint32_t cap = e->cap_mrs ? e->cap_mrs * 2 : 64;
+			struct mr *n;
+
+			if (cap > (1u << 24)) {
+				pthread_mutex_unlock(&e->mu);
+				return -ENOSPC;
+			}
+			n = realloc(e->mrs, sizeof(*n) * cap);
+			if (!n) {
+				pthread_mutex_unlock(&e->mu);
+				return -ENOMEM;
+			}
+			e->mrs = n;
+			e->cap_mrs = cap;
+		}
+		e->nmrs++;
+	}
+	m = &e->mrs[i];
+	m->addr = addr;
+	m->len = len;
+	m->access = access;
+	m->rkey = (i + 1) << 8 | ((uint32_t)random() & 0xFF);
+	m->used = 1;
+	*rkey = m->rkey;
+	pthread_mutex_unlock(&e->mu);
+	return 0;
+}
+
+int mrc_eng_dereg_mr(struct mrc_eng *e, uint32_t rkey)
+{
+	struct mr *m;
+	int rc = -ENOENT;
+
+	pthread_mutex_lock(&e->mu);
+	m = mr_find(e, rkey);
+	if (m) {
+		m->used = 0;
+		rc = 0;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return rc;
+}
+
+/* ------------------------------------------------------------------ QPs */
+
+static struct qp *qp_find(struct mrc_eng *e, uint32_t qpn)
+{
+	struct qp *q;
+
+	for (q = e->qph[qpn % QP_HASH]; q; q = q->hnext)
+		if (q->qpn == qpn)
+			return q;
+	return NULL;
+}
+
+static void qp_flush(struct mrc_eng *e, struct qp *q, uint32_t first_status)
+{
+	struct wr *w = q->wr_head, *n;
+	uint32_t status = first_status;
+
+	while (w) {
+		n = w->next;
+		cq_push(e, w->wr_id, q->qpn, status, MRC_WC_RDMA_WRITE, (uint32_t)w->len, 0, 0);
+		q->st.wr_error++;
+		status = MRC_WC_WR_FLUSH_ERR;
+		free(w);
+		w = n;
+	}
+	q->wr_head = q->wr_tail = q->wr_cur = NULL;
+	memset(q->tx, 0, sizeof(*q->tx) * q->win);
+	q->rtx_head = q->rtx_tail = 0;
+	q->inflight = 0;
+	q->snd_una = q->snd_next;
+}
+
+static void qp_error(struct mrc_eng *e, struct qp *q, uint32_t status)
+{
+	if (q->state == MRC_QPS_ERR)
+		return;
+	q->state = MRC_QPS_ERR;
+	qp_flush(e, q, status);
+	q->ack_pending = 0;
+}
+
+static void qp_free(struct qp *q)
+{
+	free(q->tx);
+	free(q->rtxq);
+	free(q->rcv_bm);
+	free(q->msgs);
+	free(q);
+}
+
+int mrc_eng_qp_create(struct mrc_eng *e, uint32_t qpn, uint32_t start_psn, uint32_t *qpn_out)
+{
+	struct qp *q;
+	uint32_t tries;
+
+	if (qpn > PSN_MASK || qpn == MRC_QPN_PROBE)
+		return -EINVAL;
+	q = calloc(1, sizeof(*q));
+	if (!q)
+		return -ENOMEM;
+	q->win = e->o.window;
+	q->mask = q->win - 1;
+	q->tx = calloc(q->win, sizeof(*q->tx));
+	q->rtxq = calloc(q->win, sizeof(*q->rtxq));
+	q->rcv_bm = calloc(q->win / 64, sizeof(uint64_t));
+	q->msgs = calloc(q->win, sizeof(*q->msgs));
+	if (!q->tx || !q->rtxq || !q->rcv_bm || !q->msgs) {
+		qp_free(q);
+		return -ENOMEM;
+	}
+	pthread_mutex_lock(&e->mu);
+	if (!qpn) {
+		for (tries = 0; tries < PSN_MASK; tries++) {
+			qpn = e->next_qpn++;
+			if (e->next_qpn > PSN_MASK)
+				e->next_qpn = 0x1000;
+			if (qpn >= 0x1000 && !qp_find(e, qpn))
+				break;
+		}
+	} else if (qp_find(e, qpn)) {
+		pthread_mutex_unlock(&e->mu);
+		qp_free(q);
+		return -EEXIST;
+	}
+	q->qpn = qpn;
+	q->state = MRC_QPS_INIT;
+	q->snd_next = q->snd_una = start_psn & PSN_MASK;
+	q->payload = e->o.payload;
+	q->cwnd = e->o.cc_init_cwnd;
+	q->rto = (uint64_t)e->o.rto_min_us * 1000;
+	q->peer_mpr = q->win;
+	q->hnext = e->qph[qpn % QP_HASH];
+	e->qph[qpn % QP_HASH] = q;
+	q->next = e->qps;
+	if (e->qps)
+		e->qps->prev = q;
+	e->qps = q;
+	e->nqps++;
+	pthread_mutex_unlock(&e->mu);
+	*qpn_out = qpn;
+	return 0;
+}
+
+int mrc_eng_qp_connect(struct mrc_eng *e, uint32_t qpn, const uint8_t *peer, uint32_t rqpn,
+		       uint32_t rpsn, uint32_t payload)
+{
+	struct qp *q;
+	int rc = 0;
+
+	if (!rqpn || rqpn > PSN_MASK || !payload || payload % 4 || payload > e->o.payload)
+		return -EINVAL;
+	pthread_mutex_lock(&e->mu);
+	q = qp_find(e, qpn);
+	if (!q)
+		rc = -ENOENT;
+	else if (q->state != MRC_QPS_INIT)
+		rc = -EISCONN;
+	else {
+		memcpy(q->peer, peer, 16);
+		q->rqpn = rqpn;
+		q->rcv_cack = rpsn & PSN_MASK;
+		q->payload = payload;
+		q->state = MRC_QPS_RTS;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return rc;
+}
+
+int mrc_eng_qp_destroy(struct mrc_eng *e, uint32_t qpn)
+{
+	struct qp *q, **pp;
+
+	pthread_mutex_lock(&e->mu);
+	for (pp = &e->qph[qpn % QP_HASH]; *pp; pp = &(*pp)->hnext)
+		if ((*pp)->qpn == qpn)
+			break;
+	q = *pp;
+	if (!q) {
+		pthread_mutex_unlock(&e->mu);
+		return -ENOENT;
+	}
+	*pp = q->hnext;
+	if (q->prev)
+		q->prev->next = q->next;
+	else
+		e->qps = q->next;
+	if (q->next)
+		q->next->prev = q->prev;
+	e->nqps--;
+	qp_flush(e, q, MRC_WC_WR_FLUSH_ERR);
+	pthread_mutex_unlock(&e->mu);
+	qp_free(q);
+	return 0;
+}
+
+static void fill_qp_stats(struct qp *q, struct mrc_qp_stats *s)
+{
+	*s = q->st;
+	s->state = q->state;
+	s->srtt_ns = q->srtt;
+	s->rttvar_ns = q->rttvar;
+	s->min_rtt_ns = q->min_rtt;
+	s->rto_ns = q->rto;
+	s->cwnd = q->cwnd;
+	s->inflight = q->inflight;
+	s->next_psn = q->snd_next;
+	s->una_psn = q->snd_una;
+	s->rcv_cack = q->rcv_cack;
+	s->peer_mpr = q->peer_mpr;
+	s->retries = q->retries;
+}
+
+int mrc_eng_qp_stats(struct mrc_eng *e, uint32_t qpn, struct mrc_qp_stats *out)
+{
+	struct qp *q;
+	int rc = 0;
+
+	pthread_mutex_lock(&e->mu);
+	q = qp_find(e, qpn);
+	if (q)
+		fill_qp_stats(q, out);
+	else
+		rc = -ENOENT;
+	pthread_mutex_unlock(&e->mu);
+	return rc;
+}
+
+void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
+{
+	pthread_mutex_lock(&e->mu);
+	*out = e->st;
+	out->qps = e->nqps;
+	out->umem_free = e->n_tx_free;
+	pthread_mutex_unlock(&e->mu);
+}
+
+void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out) { *out = e->o; }
+
+int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t laddr,
+		       uint32_t lkey, uint64_t len, uint64_t raddr, uint32_t rkey,
+		       int with_imm, uint32_t imm)
+{
+	struct qp *q;
+	struct mr *m;
+	struct wr *w;
+	uint64_t one = 1;
+	int rc = 0;
+
+	if (len > 0xFFFFFFFFull)
+		return -EMSGSIZE;          /* RETH DMA length is 32 bits */
+	w = calloc(1, sizeof(*w));
+	if (!w)
+		return -ENOMEM;
+	pthread_mutex_lock(&e->mu);
+	q = qp_find(e, qpn);
+	m = mr_find(e, lkey);
+	if (!q)
+		rc = -ENOENT;
+	else if (q->state != MRC_QPS_RTS)
+		rc = q->state == MRC_QPS_ERR ? -EPIPE : -ENOTCONN;
+	else if (!m || !(m->access & MRC_ENG_ACCESS_LOCAL) || laddr < m->addr ||
+		 laddr + len > m->addr + m->len)
+		rc = -EFAULT;
+	if (rc) {
+		pthread_mutex_unlock(&e->mu);
+		free(w);
+		return rc;
+	}
+	w->wr_id = wr_id;
+	w->laddr = laddr;
+	w->len = len;
+	w->raddr = raddr;
+	w->rkey = rkey;
+	w->with_imm = with_imm;
+	w->imm = imm;
+	w->msn = q->msn_next++;
+	w->npkts = len ? (uint32_t)((len + q->payload - 1) / q->payload) : 1;
+	if (q->wr_tail)
+		q->wr_tail->next = w;
+	else
+		q->wr_head = w;
+	q->wr_tail = w;
+	if (!q->wr_cur) {
+		q->wr_cur = w;
+		q->cur_off = 0;
+	}
+	q->st.wr_posted++;
+	pthread_mutex_unlock(&e->mu);
+	(void)!write(e->wake_fd, &one, sizeof(one));
+	return 0;
+}
+
+/* ------------------------------------------------------------------ TX frames */
+
+static uint8_t *tx_frame(struct mrc_eng *e, uint64_t *addr)
+{
+	if (!e->n_tx_free)
+		return NULL;
+	*addr = e->tx_free[--e->n_tx_free];
+	return (uint8_t *)e->area + *addr;
+}
+
+/* Queue a built frame on the TX ring; on a full ring the frame goes back (-1). */
+static int tx_submit(struct mrc_eng *e, uint64_t addr, uint32_t len)
+{
+	uint32_t idx;
+	struct xdp_desc *d;
+
+	if (xsk_ring_prod__reserve(&e->tx, 1, &idx) != 1) {
+		e->tx_free[e->n_tx_free++] = addr;
+		e->st.tx_ring_full++;
+		return -1;
+	}
+	d = xsk_ring_prod__tx_desc(&e->tx, idx);
+	d->addr = addr;
+	d->len = len;
+	d->options = 0;
+	xsk_ring_prod__submit(&e->tx, 1);
+	e->tx_pending++;
+	e->st.tx_frames++;
+	e->st.tx_bytes += len;
+	return 0;
+}
+
+static void tx_kick(struct mrc_eng *e)
+{
+	int i;
+
+	if (!e->tx_pending)
+		return;
+	/* copy mode sends at most 32 descriptors per call (-EAGAIN: more left) */
+	for (i = 0; i < 64; i++) {
+		if (sendto(e->xsk_fd, NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0)
+			break;
+		if (errno != EAGAIN && errno != EBUSY && errno != ENOBUFS)
+			break;
+		if (errno != EAGAIN)
+			break;
+	}
+	e->st.wakeups++;
+	e->tx_pending = 0;
+}
+
+static void tx_complete(struct mrc_eng *e)
+{
+	uint32_t idx, n, i;
+
+	n = xsk_ring_cons__peek(&e->comp, e->n_tx_frames, &idx);
+	for (i = 0; i < n; i++)
+		e->tx_free[e->n_tx_free++] = *xsk_ring_cons__comp_addr(&e->comp, idx + i);
+	if (n)
+		xsk_ring_cons__release(&e->comp, n);
+}
+
+/* Ethernet + IPv6 + UDP + BTH of a frame to the peer; returns the IPv6 header. */
+static uint8_t *build_hdrs(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_plen,
+			   uint8_t tc, uint8_t opcode, uint32_t dqpn, uint8_t b1, uint8_t b8, uint32_t psn)
+{
+	uint8_t *ip6 = f + OFF_IP6, *udp = f + OFF_UDP, *bth = f + OFF_BTH;
+
+	memcpy(f, e->o.dst_mac, 6);
+	memcpy(f + 6, e->o.src_mac, 6);
+	f[12] = 0x86;
+	f[13] = 0xDD;
+	ip6[0] = 0x60 | tc >> 4;
+	ip6[1] = (uint8_t)(tc << 4);
+	ip6[2] = ip6[3] = 0;
+	put16(ip6 + 4, ip_plen);
+	ip6[6] = 17;
+	ip6[7] = 64;
+	memcpy(ip6 + 8, e->o.local_addr, 16);
+	memcpy(ip6 + 24, q->peer, 16);
+	put16(udp, 0);                       /* spray writes EV[31:16] */
+	put16(udp + 2, e->o.udp_port);
+	put16(udp + 4, ip_plen);
+	put16(udp + 6, 0);
+	bth[0] = opcode;
+	bth[1] = b1;
+	put16(bth + 2, 0xFFFF);
+	bth[4] = 0;
+	put24(bth + 5, dqpn);
+	bth[8] = b8;
+	put24(bth + 9, psn);
+	return ip6;
+}
+
+static void finish_frame(uint8_t *f, uint32_t frame_len)
+{
+	uint8_t *ip6 = f + OFF_IP6;
+	uint32_t ip_len = frame_len - OFF_IP6;
+
+	put_icrc(f + frame_len - MRC_ICRC_LEN, mrc_eng_icrc(ip6, ip_len - MRC_ICRC_LEN));
+}
+
+/* Send (or resend) the data packet of PSN slot t. */
+static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
+{
+	struct wr *w = t->wr;
+	uint32_t pad = (4 - (t->len & 3)) & 3, ext, frame_len, ip_plen;
+	int first = t->off == 0, last = t->last, imm = w->with_imm && last;
+	uint8_t opcode, *f, *p;
+	uint64_t addr;
+
+	if (w->npkts == 1)
+		opcode = w->with_imm ? MRC_OP_WRITE_ONLY_IMM : MRC_OP_WRITE_ONLY;
+	else if (first)
+		opcode = MRC_OP_WRITE_FIRST;
+	else if (last)
+		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
+	else
+		opcode = MRC_OP_WRITE_MIDDLE;
+	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0);
+	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
+	ip_plen = frame_len - OFF_UDP;
+	f = tx_frame(e, &addr);
+	if (!f)
+		return -1;
+	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
+		   (uint8_t)(pad << 4), (last ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0), t->psn);
+	p = f + OFF_EXT;
+	put16(p, 0);                             /* RQMSN */
+	put16(p + 2, w->msn);                    /* MSN */
+	p += MRC_METH_LEN;
+	put64(p, w->raddr + t->off);             /* RETH: this packet's placement */
+	put32(p + 8, w->rkey);
+	put32(p + 12, (uint32_t)w->len);         /* the whole message's length */
+	p += MRC_RETH_LEN;
+	if (imm) {
+		put32(p, w->imm);
+		p += MRC_IMMDT_LEN;
+	}
+	memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
+	memset(p + t->len, 0, pad);
+	finish_frame(f, frame_len);
+	if (tx_submit(e, addr, frame_len))
+		return -1;
+	t->tx_ns = now_ns();
+	t->txseq = q->txseq++;
+	t->nsent++;
+	t->state = TXP_INFLIGHT;
+	q->inflight += t->len ? t->len : 1;
+	q->st.tx_pkts++;
+	q->st.tx_bytes += t->len;
+	if (rtx)
+		q->st.rtx_pkts++;
+	if (!q->rto_deadline)
+		q->rto_deadline = t->tx_ns + q->rto;
+	return 0;
+}
+
+/* ------------------------------------------------------------------ receiver: SACK / NACK */
+
+static inline int rcv_has(struct qp *q, uint32_t psn)
+{
+	uint32_t i = psn & q->mask;
+
+	return (q->rcv_bm[i / 64] >> (i % 64)) & 1;
+}
+
+static inline void rcv_set(struct qp *q, uint32_t psn, int v)
+{
+	uint32_t i = psn & q->mask;
+
+	if (v)
+		q->rcv_bm[i / 64] |= 1ull << (i % 64);
+	else
+		q->rcv_bm[i / 64] &= ~(1ull << (i % 64));
+}
+
+static void send_sack(struct mrc_eng *e, struct qp *q)
+{
+	uint32_t frame_len = OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN + MRC_ICRC_LEN;
+	uint32_t cack = q->rcv_cack, trig = q->ack_psn, base, i, d;
+	uint64_t addr, bm = 0;
+	uint8_t *f, *h, *cc;
+	int16_t aoff, soff;
+
+	f = tx_frame(e, &addr);
+	if (!f)
+		return;                          /* no frame: the timer retries */
+	d = psn_sub(trig, cack);
+	base = (d < 64 || d >= PSN_HALF) ? cack : (trig - 63) & PSN_MASK;
+	for (i = 0; i < 64; i++) {
+		uint32_t p = (base + i) & PSN_MASK;
+
+		if (psn_sub(p, cack) < q->win && rcv_has(q, p))
+			bm |= 1ull << i;
+	}
+	if (d < PSN_HALF)
+		aoff = (int16_t)(d > 32767 ? 32767 : d);
+	else
+		aoff = (int16_t)-(int32_t)(PSN_MASK + 1 - d > 32768 ? 32768 : PSN_MASK + 1 - d);
+	soff = (int16_t)psn_sub(base, cack);
+	build_hdrs(e, q, f, frame_len - OFF_UDP, (uint8_t)(e->o.dscp_ctrl << 2), MRC_OP_SACK, q->rqpn,
+		   0, 0, cack);
+	h = f + OFF_EXT;
+	memset(h, 0, MRC_SETH_LEN + MRC_CCSTATE_LEN);
+	h[1] = (uint8_t)((q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
+	put16(h + 2, (uint16_t)aoff);
+	put32(h + 4, q->ack_ev);
+	put24(h + 13, cack);
+	h[17] = (uint8_t)(q->win / 128 > 255 ? 255 : q->win / 128);   /* MPR */
+	put16(h + 18, (uint16_t)soff);
+	put64(h + 20, bm);
+	cc = h + MRC_SETH_LEN;
+	put16(cc, 0);                            /* no TSETH sent: nothing to reflect */
+	put16(cc + 2, (uint16_t)(q->rcv_ooo > 0x7FFF ? 0x7FFF : q->rcv_ooo));
+	cc[4] = 0;                               /* r_c 0, rcv_cwnd_pen 0 */
+	put24(cc + 5, (uint32_t)(q->rcvd_bytes & 0xFFFFFF));
+	finish_frame(f, frame_len);
+	if (tx_submit(e, addr, frame_len) == 0)
+		q->st.sacks_tx++;
+	q->ack_pending = 0;
+	q->ack_now = 0;
+	q->ack_ce = 0;
+	q->ack_deadline = 0;
+}
+
+static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev, uint8_t reason,
+		      uint8_t vendor)
+{
+	uint32_t frame_len = OFF_EXT + MRC_NETH_LEN + MRC_ICRC_LEN;
+	uint64_t addr;
+	uint8_t *f, *h;
+
+	f = tx_frame(e, &addr);
+	if (!f)
+		return;
+	build_hdrs(e, q, f, frame_len - OFF_UDP, (uint8_t)(e->o.dscp_ctrl << 2), MRC_OP_NACK, q->rqpn,
+		   0, 0, q->rcv_cack);
+	h = f + OFF_EXT;
+	memset(h, 0, MRC_NETH_LEN);
+	h[2] = reason;
+	h[3] = vendor;
+	put32(h + 4, ev);
+	put24(h + 13, psn);
+	finish_frame(f, frame_len);
+	tx_submit(e, addr, frame_len);
+}
+
+/* ------------------------------------------------------------------ receiver: data */
+
+static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end, uint32_t ev, int ce)
+{
+	uint8_t *bth = f + OFF_BTH, *meth = f + OFF_EXT, *reth = meth + MRC_METH_LEN, *pl;
+	uint8_t op = bth[0];
+	int imm = op == MRC_OP_WRITE_LAST_IMM || op == MRC_OP_WRITE_ONLY_IMM;
+	int last = op == MRC_OP_WRITE_LAST || op == MRC_OP_WRITE_ONLY || imm;
+	uint32_t psn = get24(bth + 9), pad = (bth[1] >> 4) & 3, d, hdr, len, rkey;
+	uint64_t va, dlen;
+	struct rmsg *m;
+	struct mr *mr;
+	uint16_t msn;
+
+	hdr = OFF_EXT + MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0);
+	if (bth[8] & MRC_BTH_B8_TS)
+		hdr += MRC_TSETH_LEN, reth += MRC_TSETH_LEN;
+	if (ip_end < hdr + pad + MRC_ICRC_LEN) {
+		e->st.truncated++;
+		return;
+	}
+	len = ip_end - MRC_ICRC_LEN - pad - hdr;
+	pl = f + hdr;
+	d = psn_sub(psn, q->rcv_cack);
+	if (d >= PSN_HALF || (d < q->win && rcv_has(q, psn))) {
+		e->st.duplicates++;
+		q->st.rx_dup++;
+		q->ack_psn = psn;
+		q->ack_ev = ev;
+		q->ack_now = 1;
+		return;
+	}
+	if (d >= q->win) {
+		e->st.out_of_window++;
+		return;
+	}
+	va = get64(reth);
+	rkey = get32(reth + 8);
+	dlen = get32(reth + 12);
+	mr = mr_find(e, rkey);
+	if (!mr || !(mr->access & MRC_ENG_ACCESS_REMOTE_WRITE) || va < mr->addr ||
+	    va + len > mr->addr + mr->len || va + len < va) {
+		e->st.bad_rkey++;
+		q->st.nacks_tx_access++;
+		send_nack(e, q, psn, ev, MRC_NACK_UNEXP_EVENT, MRC_ENG_VI_ACCESS);
+		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
+		return;
+	}
+	memcpy((void *)(uintptr_t)va, pl, len);
+	rcv_set(q, psn, 1);
+	q->rcvd_bytes += len;
+	q->st.rx_pkts++;
+	q->st.rx_bytes += len;
+	if (ce)
+		q->st.rx_ce++;
+	if (d == 0) {
+		while (rcv_has(q, q->rcv_cack)) {
+			rcv_set(q, q->rcv_cack, 0);
+			q->rcv_cack = (q->rcv_cack + 1) & PSN_MASK;
+			if (q->rcv_cack != ((psn + 1) & PSN_MASK))
+				q->rcv_ooo--;
+		}
+	} else {
+		q->rcv_ooo++;
+		q->ack_now = 1;                  /* a hole behind it: SACK at once */
+	}
+	/* message bookkeeping: complete (in MSN order) when every byte is there */
+	msn = get16(meth + 2);
+	m = &q->msgs[msn & q->mask];
+	if (!m->valid || m->msn != msn) {
+		memset(m, 0, sizeof(*m));
+		m->valid = 1;
+		m->msn = msn;
+	}
+	m->dlen = dlen;
+	m->got += len;
+	if (imm) {
+		m->has_imm = 1;
+		m->imm = get32(reth + MRC_RETH_LEN);
+	}
+	if (last)
+		m->has_last = 1;
+	for (;;) {
+		m = &q->msgs[q->rmsn_next & q->mask];
+		if (!m->valid || m->msn != q->rmsn_next || !m->has_last || m->got < m->dlen)
+			break;
+		if (m->has_imm)
+			cq_push(e, 0, q->qpn, MRC_WC_SUCCESS, MRC_WC_RECV_RDMA_IMM, (uint32_t)m->dlen, 1, m->imm);
+		q->st.rx_msgs++;
+		m->valid = 0;
+		q->rmsn_next++;
+	}
+	q->ack_psn = psn;
+	q->ack_ev = ev;
+	q->ack_pending++;
+	if (ce) {
+		q->ack_ce = 1;
+		q->ack_now = 1;
+	}
+	if (bth[8] & MRC_BTH_B8_ACKREQ)
+		q->ack_now = 1;
+	if (q->ack_pending >= e->o.ack_every)
+		q->ack_now = 1;
+	if (!q->ack_deadline)
+		q->ack_deadline = now_ns() + (uint64_t)e->o.ack_delay_us * 1000;
+}
+
+/* ------------------------------------------------------------------ sender: feedback */
+
+static void rtx_queue(struct qp *q, struct txp *t)
+{
+	if (t->queued)
+		return;
+	t->queued = 1;
+	q->rtxq[q->rtx_tail++ & q->mask] = t->psn;
+}
+
+static void mark_lost(struct qp *q, struct txp *t)
+{
+	if (t->state != TXP_INFLIGHT)
+		return;
+	t->state = TXP_LOST;
+	q->inflight -= t->len ? t->len : 1;
+	rtx_queue(q, t);
+}
+
+static uint64_t ack_one(struct qp *q, uint32_t psn)
+{
+	struct txp *t = &q->tx[psn & q->mask];
+
+	if (t->psn != psn || (t->state != TXP_INFLIGHT && t->state != TXP_LOST))
+		return 0;
+	if (t->state == TXP_INFLIGHT)
+		q->inflight -= t->len ? t->len : 1;
+	t->state = TXP_ACKED;
+	t->wr->acked++;
+	return t->len;
+}
+
+static void complete_wrs(struct mrc_eng *e, struct qp *q)
+{
+	struct wr *w;
+
+	while ((w = q->wr_head) && w->started && w->acked >= w->npkts && w != q->wr_cur) {
+		q->wr_head = w->next;
+		if (!q->wr_head)
+			q->wr_tail = NULL;
+		cq_push(e, w->wr_id, q->qpn, MRC_WC_SUCCESS, MRC_WC_RDMA_WRITE, (uint32_t)w->len, 0, 0);
+		q->st.wr_done++;
+		free(w);
+	}
+}
+
+static void cc_update(struct mrc_eng *e, struct qp *q, uint64_t acked, int ecn, uint64_t rtt, uint64_t now)
+{
+	uint64_t target = (uint64_t)e->o.cc_target_us * 1000, dec;
+
+	if (!rtt)
+		rtt = q->srtt;
+	if (!ecn && rtt < target) {
+		q->cwnd += acked * e->o.cc_prop_gain / 100 * (target - rtt) / target;
+		q->st.cc_inc_prop++;
+	} else if (!ecn) {
+		q->cwnd += (uint64_t)e->o.cc_fair_inc * acked / (q->cwnd ? q->cwnd : 1);
+		q->st.cc_inc_fair++;
+	} else if (rtt >= target) {
+		if (now - q->last_md_ns > q->srtt) {
+			dec = (uint64_t)e->o.cc_md_gamma * (rtt - target) / rtt;
+			if (dec > e->o.cc_max_md)
+				dec = e->o.cc_max_md;
+			q->cwnd -= q->cwnd * dec / 100;
+			q->last_md_ns = now;
+		}
+		q->st.cc_dec++;
+	} else {
+		q->st.cc_hold++;
+	}
+	if (q->cwnd < e->o.cc_min_cwnd)
+		q->cwnd = e->o.cc_min_cwnd;
+	if (q->cwnd > e->o.cc_max_cwnd)
+		q->cwnd = e->o.cc_max_cwnd;
+}
+
+static void rtt_sample(struct mrc_eng *e, struct qp *q, uint64_t r)
+{
+	uint64_t rto, err;
+
+	if (!q->min_rtt || r < q->min_rtt)
+		q->min_rtt = r;
+	if (!q->srtt) {
+		q->srtt = r;
+		q->rttvar = r / 2;
+	} else {
+		err = r > q->srtt ? r - q->srtt : q->srtt - r;
+		q->rttvar = (3 * q->rttvar + err) / 4;
+		q->srtt = (7 * q->srtt + r) / 8;
+	}
+	rto = q->srtt + 4 * q->rttvar;
+	if (rto < (uint64_t)e->o.rto_min_us * 1000)
+		rto = (uint64_t)e->o.rto_min_us * 1000;
+	if (rto > (uint64_t)e->o.rto_max_us * 1000)
+		rto = (uint64_t)e->o.rto_max_us * 1000;
+	q->rto = rto;
+}
+
+static void advance_una(struct mrc_eng *e, struct qp *q, uint64_t now)
+{
+	uint32_t old = q->snd_una;
+
+	while (q->snd_una != q->snd_next) {
+		struct txp *t = &q->tx[q->snd_una & q->mask];
+
+		if (t->psn != q->snd_una || t->state != TXP_ACKED)
+			break;
+		t->state = TXP_FREE;
+		q->snd_una = (q->snd_una + 1) & PSN_MASK;
+	}
+	if (old != q->snd_una) {
+		q->retries = 0;
+		q->rto_deadline = q->snd_una != q->snd_next ? now + q->rto : 0;
+	}
+	complete_wrs(e, q);
+}
+
+static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
+{
+	uint32_t cack = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una), base, trig, i, hi, p;
+	int16_t aoff = (int16_t)get16(h + 2), soff = (int16_t)get16(h + 18);
+	uint64_t bm = get64(h + 20), acked = 0, rtt = 0, now = now_ns(), trig_seq = 0;
+	uint8_t m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
+	struct txp *tt;
+	int trig_known = 0;
+
+	q->st.sacks_rx++;
+	if (m == MRC_M_SKIP_ONCE)
+		q->st.sacks_rx_ecn++;
+	if (h[17])
+		q->peer_mpr = (uint32_t)h[17] * 128 < q->win ? (uint32_t)h[17] * 128 : q->win;
+	if (psn_sub(cack, q->snd_una) > span)
+		return;                          /* stale or foreign: nothing to learn */
+	trig = (cack + aoff) & PSN_MASK;
+	base = (cack + soff) & PSN_MASK;
+	tt = &q->tx[trig & q->mask];
+	if (psn_sub(trig, q->snd_una) < span && tt->psn == trig && tt->state != TXP_FREE) {
+		trig_known = 1;
+		trig_seq = tt->txseq;
+		if (tt->nsent == 1 && tt->state == TXP_INFLIGHT)
+			rtt = now - tt->tx_ns;   /* Karn: never from a retransmitted packet */
+	}
+	for (p = q->snd_una; p != cack; p = (p + 1) & PSN_MASK)
+		acked += ack_one(q, p);
+	for (i = 0; i < 64; i++) {
+		p = (base + i) & PSN_MASK;
+		if ((bm >> i & 1) && psn_sub(p, q->snd_una) < span)
+			acked += ack_one(q, p);
+	}
+	if (rtt)
+		rtt_sample(e, q, rtt);
+	/* RACK, as the datapath's sack_losses(): holes well below the newest SACKed PSN,
+	 * sent before the triggering packet, are lost. */
+	if (trig_known && bm) {
+		hi = 63 - __builtin_clzll(bm);
+		for (p = cack; p != base && psn_sub(p, cack) < span; p = (p + 1) & PSN_MASK) {
+			struct txp *t = &q->tx[p & q->mask];
+
+			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
+				mark_lost(q, t);
+				q->st.rtx_sack++;
+			}
+		}
+		for (i = 0; i + e->o.loss_reorder <= hi; i++) {
+			struct txp *t;
+
+			if (bm >> i & 1)
+				continue;
+			p = (base + i) & PSN_MASK;
+			if (psn_sub(p, cack) >= PSN_HALF || psn_sub(p, q->snd_una) >= span)
+				continue;
+			t = &q->tx[p & q->mask];
+			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
+				mark_lost(q, t);
+				q->st.rtx_sack++;
+			}
+		}
+	}
+	if (acked || rtt)
+		cc_update(e, q, acked, m == MRC_M_SKIP_ONCE, rtt, now);
+	advance_una(e, q, now);
+}
+
+static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
+{
+	uint32_t psn = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una);
+	uint8_t why = h[2];
+	struct txp *t;
+	uint64_t now;
+
+	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
+		q->st.nacks_rx_trim++;
+		if (psn_sub(psn, q->snd_una) >= span)
+			return;
+		t = &q->tx[psn & q->mask];
+		if (t->psn != psn || t->state != TXP_INFLIGHT)
+			return;
+		mark_lost(q, t);
+		q->st.rtx_nack_trim++;
+		now = now_ns();
+		/* trimming is congestion: at most one multiplicative decrease per RTT */
+		if (now - q->last_md_ns > q->srtt) {
+			q->cwnd -= q->cwnd * e->o.cc_max_md / 200;
+			if (q->cwnd < e->o.cc_min_cwnd)
+				q->cwnd = e->o.cc_min_cwnd;
+			q->last_md_ns = now;
+			q->st.cc_dec++;
+		}
+		return;
+	}
+	q->st.nacks_rx_other++;
+	if (why == MRC_NACK_UNEXP_EVENT && h[3] == MRC_ENG_VI_ACCESS)
+		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
+}
+
+/* ------------------------------------------------------------------ receive path */
+
+static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
+{
+	uint8_t *ip6 = f + OFF_IP6, *udp = f + OFF_UDP, *bth = f + OFF_BTH, op, tc;
+	uint32_t plen, ip_end, qpn, ev, psn;
+	struct qp *q;
+	int data, trimmed;
+
+	e->st.rx_frames++;
+	e->st.rx_bytes += len;
+	if (len < OFF_UDP + UDP_HLEN || f[12] != 0x86 || f[13] != 0xDD || ip6[6] != 17 ||
+	    get16(udp + 2) != e->o.udp_port) {
+		e->st.not_mrc++;
+		return;
+	}
+	plen = get16(ip6 + 4);
+	ip_end = OFF_UDP + plen;                 /* frame offset where the IPv6 packet ends */
+	if (ip_end > len || get16(udp + 4) != plen || plen < UDP_HLEN + MRC_BTH_LEN + MRC_ICRC_LEN) {
+		e->st.truncated++;
+		return;
+	}
+	op = bth[0];
+	data = op >= MRC_OP_WRITE_FIRST && op <= MRC_OP_WRITE_ONLY_IMM;
+	tc = (uint8_t)((ip6[0] & 0x0F) << 4 | ip6[1] >> 4);
+	trimmed = data && (tc >> 2) == e->o.dscp_trimmed;
+	if (!trimmed && mrc_eng_icrc(ip6, ip_end - OFF_IP6 - MRC_ICRC_LEN) != get_icrc(f + ip_end - MRC_ICRC_LEN)) {
+		e->st.bad_icrc++;
+		return;
+	}
+	qpn = get24(bth + 5);
+	q = qp_find(e, qpn);
+	if (!q || q->state == MRC_QPS_INIT || memcmp(ip6 + 8, q->peer, 16) ||
+	    memcmp(ip6 + 24, e->o.local_addr, 16)) {
+		e->st.bad_qpn++;
+		return;
+	}
+	if (q->state != MRC_QPS_RTS)
+		return;
+	ev = (uint32_t)get16(udp) << 16 | get16(ip6 + 2);
+	psn = get24(bth + 9);
+	if (trimmed) {
+		e->st.trimmed++;
+		if (psn_sub(psn, q->rcv_cack) < q->win && !rcv_has(q, psn)) {
+			q->st.nacks_tx_trim++;
+			send_nack(e, q, psn, ev, MRC_NACK_TRIMMED, 0);
+		}
+		return;
+	}
+	if (data) {
+		e->st.rx_data++;
+		rx_data(e, q, f, ip_end, ev, (tc & 3) == 3);
+	} else if (op == MRC_OP_SACK) {
+		e->st.rx_sack++;
+		if (ip_end < OFF_EXT + MRC_SETH_LEN + MRC_ICRC_LEN) {
+			e->st.truncated++;
+			return;
+		}
+		rx_sack(e, q, f + OFF_EXT);
+	} else if (op == MRC_OP_NACK) {
+		e->st.rx_nack++;
+		if (ip_end < OFF_EXT + MRC_NETH_LEN + MRC_ICRC_LEN) {
+			e->st.truncated++;
+			return;
+		}
+		rx_nack(e, q, f + OFF_EXT);
+	} else {
+		e->st.not_mrc++;
+	}
+}
+
+static int rx_batch(struct mrc_eng *e)
+{
+	uint32_t idx, fidx, n, i, got;
+
+	n = xsk_ring_cons__peek(&e->rx, RX_BATCH, &idx);
+	if (!n)
+		return 0;
+	for (i = 0; i < n; i++) {
+		const struct xdp_desc *d = xsk_ring_cons__rx_desc(&e->rx, idx + i);
+		uint64_t a = xsk_umem__add_offset_to_addr(d->addr);
+
+		rx_frame(e, (uint8_t *)e->area + a, d->len);
+	}
+	/* the same frames go straight back to the fill ring (it has room for all of them) */
+	got = xsk_ring_prod__reserve(&e->fill, n, &fidx);
+	for (i = 0; i < got; i++)
+		*xsk_ring_prod__fill_addr(&e->fill, fidx + i) =
+			xsk_umem__extract_addr(xsk_ring_cons__rx_desc(&e->rx, idx + i)->addr);
+	if (got)
+		xsk_ring_prod__submit(&e->fill, got);
+	if (got < n)
+		e->st.fill_empty += n - got;
+	xsk_ring_cons__release(&e->rx, n);
+	return (int)n;
+}
+
+/* ------------------------------------------------------------------ sender: transmit */
+
+static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
+{
+	int sent = 0;
+	uint32_t lim;
+
+	if (q->state != MRC_QPS_RTS)
+		return 0;
+	while (sent < TX_BUDGET) {
+		struct txp *t;
+
+		if (q->rtx_head != q->rtx_tail) {
+			uint32_t psn = q->rtxq[q->rtx_head & q->mask];
+
+			t = &q->tx[psn & q->mask];
+			if (t->psn != psn || t->state != TXP_LOST) {
+				t->queued = t->psn == psn ? 0 : t->queued;
+				q->rtx_head++;
+				continue;
+			}
+			if (q->inflight && q->inflight + t->len > q->cwnd)
+				break;
+			if (send_data(e, q, t, 1))
+				break;
+			t->queued = 0;
+			q->rtx_head++;
+			sent++;
+			continue;
+		}
+		if (!q->wr_cur)
+			break;
+		lim = q->peer_mpr < q->win ? q->peer_mpr : q->win;
+		if (psn_sub(q->snd_next, q->snd_una) >= lim)
+			break;
+		if (q->inflight && q->inflight + q->payload > q->cwnd)
+			break;
+		{
+			struct wr *w = q->wr_cur;
+			uint64_t left = w->len - q->cur_off;
+			uint32_t len = left > q->payload ? q->payload : (uint32_t)left;
+
+			t = &q->tx[q->snd_next & q->mask];
+			memset(t, 0, sizeof(*t));
+			t->wr = w;
+			t->off = q->cur_off;
+			t->len = len;
+			t->psn = q->snd_next;
+			t->last = q->cur_off + len >= w->len;
+			if (!w->started) {
+				w->started = 1;
+				w->first_psn = q->snd_next;
+			}
+			if (send_data(e, q, t, 0)) {
+				t->state = TXP_FREE;
+				break;
+			}
+			q->snd_next = (q->snd_next + 1) & PSN_MASK;
+			q->cur_off += len;
+			if (t->last) {
+				q->wr_cur = w->next;
+				q->cur_off = 0;
+			}
+			sent++;
+		}
+	}
+	(void)now;
+	return sent;
+}
+
+/* ------------------------------------------------------------------ timers */
+
+static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *next)
+{
+	if (q->state != MRC_QPS_RTS)
+		return;
+	if (q->ack_pending && (q->ack_now || (q->ack_deadline && now >= q->ack_deadline)))
+		send_sack(e, q);
+	else if (q->ack_now && !q->ack_pending)
+		send_sack(e, q);           /* duplicate: say again what we have */
+	if (q->ack_pending && q->ack_deadline && q->ack_deadline < *next)
+		*next = q->ack_deadline;
+	if (q->snd_una == q->snd_next) {
+		q->rto_deadline = 0;
+		return;
+	}
+	if (!q->rto_deadline)
+		q->rto_deadline = now + q->rto;
+	if (now >= q->rto_deadline) {
+		uint32_t p;
+
+		q->st.timeouts++;
+		if (++q->retries > e->o.retry_limit) {
+			qp_error(e, q, MRC_WC_RETRY_EXC_ERR);
+			return;
+		}
+		/* everything in flight is presumed lost; retransmit selectively */
+		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
+			struct txp *t = &q->tx[p & q->mask];
+
+			if (t->psn == p && t->state == TXP_INFLIGHT) {
+				mark_lost(q, t);
+				q->st.rtx_timeout++;
+			}
+		}
+		q->rto = q->rto * 2 > (uint64_t)e->o.rto_max_us * 1000 ? (uint64_t)e->o.rto_max_us * 1000 : q->rto * 2;
+		q->cwnd = q->cwnd / 2 > e->o.cc_min_cwnd ? q->cwnd / 2 : e->o.cc_min_cwnd;
+		q->rto_deadline = now + q->rto;
+	}
+	if (q->rto_deadline < *next)
+		*next = q->rto_deadline;
+}
+
+/* ------------------------------------------------------------------ progress thread */
+
+static void *progress(void *arg)
+{
+	struct mrc_eng *e = arg;
+	struct pollfd pfd[2];
+	sigset_t all;
+
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, NULL);
+	pfd[0].fd = e->xsk_fd;
+	pfd[1].fd = e->wake_fd;
+	pfd[1].events = POLLIN;
+	while (!atomic_load(&e->stop)) {
+		uint64_t now, next = UINT64_MAX, v;
+		int work = 0, blocked = 0;
+		struct qp *q;
+
+		pthread_mutex_lock(&e->mu);
+		e->st.loops++;
+		work += rx_batch(e);
+		tx_complete(e);
+		now = now_ns();
+		for (q = e->qps; q; q = q->next)
+			qp_timers(e, q, now, &next);
+		for (q = e->qps; q; q = q->next) {
+			work += qp_tx(e, q, now);
+			if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free)
+				blocked = 1;
+		}
+		tx_kick(e);
+		tx_complete(e);
+		if (xsk_ring_prod__needs_wakeup(&e->fill))
+			recvfrom(e->xsk_fd, NULL, 0, MSG_DONTWAIT, NULL, NULL);
+		pthread_mutex_unlock(&e->mu);
+		if (work)
+			continue;
+		{
+			struct timespec ts, *tsp = NULL;
+
+			if (blocked && next > now + 20000)
+				next = now + 20000;
+			if (next != UINT64_MAX) {
+				uint64_t dt = next > now ? next - now : 0;
+
+				ts.tv_sec = dt / 1000000000ull;
+				ts.tv_nsec = dt % 1000000000ull;
+				tsp = &ts;
+			}
+			pfd[0].events = POLLIN;
+			e->st.sleeps++;
+			if (ppoll(pfd, 2, tsp, NULL) > 0 && (pfd[1].revents & POLLIN))
+				(void)!read(e->wake_fd, &v, sizeof(v));
+		}
+	}
+	return NULL;
+}
+
+/* ------------------------------------------------------------------ open / close */
+
+#define DEF(field, v) do { if (!o->field) o->field = (v); } while (0)
+
+static void defaults(struct mrc_eng_opts *o)
+{
+	DEF(udp_port, MRC_UDP_PORT_DEFAULT);
+	DEF(payload, 1024);
+	DEF(frames, 8192);
+	DEF(frame_size, 4096);
+	DEF(ring, 2048);
+	DEF(dscp_trimmed, 12);
+	DEF(ack_every, 8);
+	DEF(ack_delay_us, 50);
+	DEF(rto_min_us, 2000);
+	DEF(rto_max_us, 500000);
+	DEF(retry_limit, 8);
+	DEF(loss_reorder, 32);
+	DEF(window, 4096);
+	DEF(cc_init_cwnd, 64 * o->payload);
+	DEF(cc_min_cwnd, o->payload);
+	DEF(cc_max_cwnd, o->window * o->payload);
+	DEF(cc_target_us, 200);
+	DEF(cc_fair_inc, o->payload);
+	DEF(cc_prop_gain, 100);
+	DEF(cc_md_gamma, 100);
+	DEF(cc_max_md, 50);
+}
+
+static int pow2(uint32_t v) { return v && !(v & (v - 1)); }
+
+static void eng_free(struct mrc_eng *e)
+{
+	struct qp *q, *n;
+
+	if (e->xsk)
+		xsk_socket__delete(e->xsk);
+	if (e->umem)
+		xsk_umem__delete(e->umem);
+	if (e->area)
+		munmap(e->area, e->area_len);
+	if (e->wake_fd >= 0)
+		close(e->wake_fd);
+	if (e->cq_fd >= 0)
+		close(e->cq_fd);
+	for (q = e->qps; q; q = n) {
+		n = q->next;
+		qp_free(q);
+	}
+	pthread_mutex_destroy(&e->mu);
+	pthread_mutex_destroy(&e->cq_mu);
+	free(e->tx_free);
+	free(e->mrs);
+	free(e->cq);
+	free(e);
+}
+
+static int make_socket(struct mrc_eng *e, uint16_t bind_flags)
+{
+	struct xsk_umem_config uc = {
+		.fill_size = e->n_rx_frames, .comp_size = e->n_tx_frames,
+		.frame_size = e->o.frame_size, .frame_headroom = 0, .flags = 0,
+	};
+	struct xsk_socket_config sc = {
+		.rx_size = e->o.ring, .tx_size = e->o.ring,
+		.libxdp_flags = XSK_LIBXDP_FLAGS__INHIBIT_PROG_LOAD,
+		.xdp_flags = 0, .bind_flags = bind_flags,
+	};
+	int rc;
+
+	rc = xsk_umem__create(&e->umem, e->area, e->area_len, &e->fill, &e->comp, &uc);
+	if (rc)
+		return rc;
+	rc = xsk_socket__create(&e->xsk, e->o.ifname, e->o.queue, e->umem, &e->rx, &e->tx, &sc);
+	if (rc) {
+		e->xsk = NULL;
+		xsk_umem__delete(e->umem);
+		e->umem = NULL;
+	}
+	return rc;
+}
+
+struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t errlen)
+{
+	struct mrc_eng *e = calloc(1, sizeof(*e));
+	uint32_t i, idx;
+	int rc;
+
+	if (!e) {
+		snprintf(err, errlen, "out of memory");
+		return NULL;
+	}
+	e->o = *opts;
+	defaults(&e->o);
+	e->wake_fd = e->cq_fd = -1;
+	pthread_mutex_init(&e->mu, NULL);
+	pthread_mutex_init(&e->cq_mu, NULL);
+	e->next_qpn = 0x1000;
+	if (!pow2(e->o.frames) || e->o.frames < 64 || !pow2(e->o.ring) || !pow2(e->o.window) ||
+	    e->o.window < 128 || e->o.window > 16384 || e->o.payload % 4 ||
+	    e->o.payload + HDR_DATA + MRC_IMMDT_LEN + MRC_ICRC_LEN > e->o.frame_size - 256) {
+		snprintf(err, errlen, "engine options: frames, ring and window must be powers of 2 "
+			 "(window 128..16384), payload a multiple of 4 fitting a %u-byte UMEM frame",
+			 e->o.frame_size);
+		goto fail;
+	}
+	e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	e->cq_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (e->wake_fd < 0 || e->cq_fd < 0) {
+		snprintf(err, errlen, "eventfd: %s", strerror(errno));
+		goto fail;
+	}
+	e->n_rx_frames = e->o.frames / 2;
+	e->n_tx_frames = e->o.frames / 2;
+	e->area_len = (uint64_t)e->o.frames * e->o.frame_size;
+	e->area = mmap(NULL, e->area_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (e->area == MAP_FAILED) {
+		e->area = NULL;
+		snprintf(err, errlen, "UMEM of %llu bytes: %s", (unsigned long long)e->area_len, strerror(errno));
+		goto fail;
+	}
+	rc = -EOPNOTSUPP;
+	if (e->o.zero_copy != 1)
+		rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY);
+	if (rc == 0)
+		e->st.zero_copy = 1;
+	else if (e->o.zero_copy != 2)
+		rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY);
+	if (rc) {
+		if (rc == -EAFNOSUPPORT || rc == -ENOPROTOOPT)
+			snprintf(err, errlen, "AF_XDP sockets are not available in this kernel "
+				 "(CONFIG_XDP_SOCKETS): the transport engine cannot run here");
+		else
+			snprintf(err, errlen, "AF_XDP socket on %s queue %u: %s: is the datapath loaded "
+				 "and the device up?", e->o.ifname, e->o.queue, strerror(-rc));
+		goto fail;
+	}
+	e->xsk_fd = xsk_socket__fd(e->xsk);
+	if (e->o.xsks_fd >= 0) {
+		__u32 key = e->o.queue;
+		int fd = e->xsk_fd;
+
+		if (bpf_map_update_elem(e->o.xsks_fd, &key, &fd, 0)) {
+			snprintf(err, errlen, "inserting the socket into the datapath's XSKMAP: %s",
+				 strerror(errno));
+			goto fail;
+		}
+	}
+	/* RX frames [0, n_rx) on the fill ring; TX frames [n_rx, frames) free */
+	if (xsk_ring_prod__reserve(&e->fill, e->n_rx_frames, &idx) != e->n_rx_frames) {
+		snprintf(err, errlen, "fill ring smaller than %u", e->n_rx_frames);
+		goto fail;
+	}
+	for (i = 0; i < e->n_rx_frames; i++)
+		*xsk_ring_prod__fill_addr(&e->fill, idx + i) = (uint64_t)i * e->o.frame_size;
+	xsk_ring_prod__submit(&e->fill, e->n_rx_frames);
+	e->tx_free = malloc(sizeof(uint64_t) * e->n_tx_frames);
+	if (!e->tx_free) {
+		snprintf(err, errlen, "out of memory");
+		goto fail;
+	}
+	for (i = 0; i < e->n_tx_frames; i++)
+		e->tx_free[e->n_tx_free++] = (uint64_t)(e->n_rx_frames + i) * e->o.frame_size;
+	srandom((unsigned)now_ns());
+	if ((rc = pthread_create(&e->thr, NULL, progress, e))) {
+		snprintf(err, errlen, "progress thread: %s", strerror(rc));
+		goto fail;
+	}
+	e->thr_started = 1;
+	return e;
+fail:
+	eng_free(e);
+	return NULL;
+}
+
+void mrc_eng_close(struct mrc_eng *e)
+{
+	uint64_t one = 1;
+
+	if (!e)
+		return;
+	atomic_store(&e->stop, 1);
+	(void)!write(e->wake_fd, &one, sizeof(one));
+	if (e->thr_started)
+		pthread_join(e->thr, NULL);
+	eng_free(e);
+}
