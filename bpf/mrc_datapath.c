@@ -213,6 +213,8 @@ int mrc_spray(struct xdp_md *ctx)
 			/* an atomic counter, not bpf_ktime_get_ns(): the clock read costs more
 			 * than the rest of spray on some hosts */
 			pe->txseq = __sync_fetch_and_add(&c->txseq, 1);
+			if (!(p.b8 & MRC_BTH_B8_RTX))   /* the sent window's upper edge (ingress) */
+				c->psn_hi = p.psn;
 		}
 		ctr_inc(MRC_C_SPRAY_DATA);
 	} else {
@@ -249,16 +251,43 @@ static __always_inline int highest_bit(__u64 x)
 }
 
 /*
+ * The sent window: feedback speaks only of PSNs this connection has sent (threat model:
+ * README).  The PSN a SACK acks and the PSN a NACK names must be among the last
+ * MRC_PSN_RING PSNs sent, recorded in the PSN ring (hi: the newest new PSN sent); the
+ * cumulative ack and the bitmap base lie at most MRC_FB_WINDOW behind hi + 1, never
+ * ahead of it.  All in serial-number arithmetic mod 2^24.
+ */
+static __always_inline struct mrc_psn_ent *psn_sent(__u32 cid, __u32 hi, __u32 psn)
+{
+	struct mrc_psn_ent *pe;
+	__u32 k;
+
+	if (psn_diff(hi, psn) >= MRC_PSN_RING)
+		return 0;
+	k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
+	pe = mrc_psn.lookup(&k);
+	if (!pe || pe->psn != psn || !(pe->flags & MRC_PSNF_VALID))
+		return 0;
+	return pe;
+}
+
+static __always_inline int psn_in_window(__u32 hi, __u32 psn)
+{
+	return psn_diff(hi + 1, psn) <= MRC_FB_WINDOW;
+}
+
+/*
  * Holes in the SACK bitmap at least loss_reorder PSNs below the newest SACKed PSN are
  * losses; the PSN ring names the EV that carried each.  Each send is counted once, and
- * (RACK) only if it was sent before the packet that triggered this SACK: a hole whose
- * retransmission is still in flight is not blamed on the retransmission's EV.
+ * (RACK) only if it was sent before the packet that triggered this SACK (ack_seq: its
+ * send order, from its PSN ring entry): a hole whose retransmission is still in flight
+ * is not blamed on the retransmission's EV.  hb: the bitmap's highest set bit.
  */
 static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
-					__u32 cack, __u32 base, __u64 bitmap, __u32 acked)
+					__u32 cack, __u32 base, __u64 bitmap, __u32 hb, __u32 ack_seq)
 {
 	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, hi, k, psn, retire, ack_seq, *slotp;
+	__u32 nlost = 0, i, k, psn, retire, *slotp;
 	struct mrc_evidx_key key = { .conn = cid };
 	struct mrc_psn_ent *pe;
 	struct mrc_ev_ctr *ec;
@@ -266,16 +295,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 
 	if (!bitmap)
 		return;
-	/* When (in send order) the acked packet was sent; unknown: the newest send, so no
-	 * hole counts as in flight (one value either way keeps the loop verified once). */
-	ack_seq = c->txseq;
-	k = cid * MRC_PSN_RING + (acked & (MRC_PSN_RING - 1));
-	pe = mrc_psn.lookup(&k);
-	if (pe && pe->psn == acked && (pe->flags & MRC_PSNF_VALID))
-		ack_seq = pe->txseq;
-	hi = highest_bit(bitmap);
 	for (i = 0; i < 64; i++) {
-		if (i + cfg->loss_reorder > hi || nlost >= MRC_LOSS_BATCH)
+		if (i + cfg->loss_reorder > hb || nlost >= MRC_LOSS_BATCH)
 			break;
 		if (bitmap & (1ULL << i))
 			continue;
@@ -329,7 +350,8 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 	struct mrc_conn *c;
 	struct mrc_ev *e;
 	struct mrc_ev_ctr *ec;
-	__u32 cid, slot, *slotp;
+	struct mrc_psn_ent *ape;
+	__u32 cid, slot, hi, *slotp;
 	__u8 *h;
 
 	if (conn_find(p->saddr, p->dqpn, MRC_DIR_RX, &cid, &c)) {
@@ -339,14 +361,27 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN : MRC_NETH_LEN);
 	if (!h)
 		return;
-	/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
+	/* Outside the sent window: counted, nothing else (no EV change, no loss). */
+	hi = c->psn_hi;
 	if (p->opcode == MRC_OP_SACK) {
 		__u32 cack = get24(h + 13);
 		__s16 aoff = (__s16)(((__u16)h[2] << 8) | h[3]);
 		__s16 soff = (__s16)(((__u16)h[18] << 8) | h[19]);
+		__u32 base = (cack + soff) & 0xFFFFFF;
+		__u64 bitmap = get64(h + 20);
+		__u32 hb = highest_bit(bitmap);   /* the newest PSN SACKed: base + hb */
 
-		sack_losses(cid, c, cfg, cack, (cack + soff) & 0xFFFFFF, get64(h + 20),
-			    (cack + aoff) & 0xFFFFFF);
+		ape = c->txseq ? psn_sent(cid, hi, (cack + aoff) & 0xFFFFFF) : 0;
+		if (!ape || !psn_in_window(hi, cack) || !psn_in_window(hi, base) ||
+		    (bitmap && (psn_diff(hi, base + hb) & 0x800000))) {
+			ctr_inc(MRC_C_ING_FB_OOW);
+			return;
+		}
+		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
+		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq);
+	} else if (!c->txseq || !psn_sent(cid, hi, get24(h + 13))) {
+		ctr_inc(MRC_C_ING_FB_OOW);
+		return;
 	}
 	key.conn = cid;
 	key.ev = get32(h + 4);

@@ -22,6 +22,8 @@
 #define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
 #define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
 #define MRC_LOSS_BATCH       4      /* losses attributed per SACK at most */
+#define MRC_FB_WINDOW        32768  /* feedback: cack and bitmap base at most this far behind
+                                     * the newest PSN sent + 1 (the reach of SETH's offsets) */
 #define MRC_BACKUP_PER_PLANE_MAX 16 /* backup EVs per plane (bounds the replacement scan) */
 #define MRC_XSK_MAX          64     /* AF_XDP sockets (one per rx queue) */
 #define MRC_EVENTS_BYTES     262144 /* EV state-change ring buffer */
@@ -191,6 +193,9 @@ struct mrc_conn {
 	__u16 stride[4];        /* rotation strides, each coprime with ev_per_plane */
 	__u64 lock;             /* cmpxchg guard for slot swaps */
 	__u64 txseq;            /* data packets sent (atomic): send order for loss attribution */
+	__u32 psn_hi;           /* PSN of the newest data sent (not retransmissions): the upper
+	                         * edge of the sent window that feedback must fall in */
+	__u32 pad;
 };
 
 struct mrc_ev {
@@ -346,6 +351,8 @@ enum mrc_ctr {
 	MRC_C_NON_MRC_EXTHDR,
 	MRC_C_NON_MRC_ROCE,         /* UDP 4791 with a BTH opcode MRC does not use (plain RoCEv2) */
 	MRC_C_EVENTS_LOST,          /* EV events the ring buffer had no room for */
+	MRC_C_ING_FB_OOW,           /* feedback outside the sent window (PSNs never sent or no
+	                             * longer in flight): no EV change, no loss attribution */
 	MRC_C_MAX,
 };
 

@@ -6,7 +6,9 @@ the global counters and the mrc_events ring.
     GOOD|SKIP --SACK M=ALWAYS_SKIP / loss--> ASSUMED_BAD, slot taken by a backup EV of
          the same plane
     operator: DENIED (never used) / GOOD again
-Feedback counts only from a known connection echoing one of its EVs (spoofing cases).
+Feedback counts only from a known connection echoing one of its EVs (spoofing cases),
+and only when its PSNs lie inside what the connection has sent (the sent window): feedback
+acks PSN 0 by default, so tests spray PSN 0 (_sent) before giving feedback.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ def _fb(env, kind, ev, cid=CONN_A, **kw):
     assert ret == XDP_REDIRECT, xdp_name(ret)
     assert out == with_macs(f, *env.engine_macs()), "feedback frames reach the engine unchanged"
     return d
+
+
+def _sent(env, cid=CONN_A, psn=0):
+    """Spray one data packet with this PSN: the feedback that follows acks something sent."""
+    env.spray_evs(1, cid, psn0=psn)
 
 
 def _plane_ev(env, cid, plane, k):
@@ -101,6 +108,7 @@ NACK_CASES = [(r, r == NackReason.TRIMMED) for r in NackReason] + \
                          ids=[getattr(r, "name", hex(r)) for r, _ in NACK_CASES])
 def test_nack_reason(ecmp, reason, skips):
     env = ecmp
+    _sent(env)
     x = _plane_ev(env, CONN_A, 1, 5)
     before = env.ev_table_bytes()
     d = _fb(env, "nack", x, reason=reason)
@@ -126,6 +134,7 @@ SACK_M_CASES = [(SackM.NONE, EvState.GOOD), (SackM.SKIP_ONCE, EvState.SKIP),
                          ids=["none", "skip_once", "always_skip", "m3-reserved"])
 def test_sack_m_flag(ecmp, m, after):
     env = ecmp
+    _sent(env)
     x = _plane_ev(env, CONN_A, 0, 0)
     _fb(env, "sack", x, m=m)
     assert EvState(env.ev(CONN_A, x).state) == after
@@ -150,6 +159,7 @@ TRANSITIONS = [
                               for s, f, _ in TRANSITIONS])
 def test_feedback_on_non_good_ev(ecmp, start, fb, after):
     env = ecmp
+    _sent(env)
     x = _plane_ev(env, CONN_A, 1, 1)
     slot = env.slot_of(CONN_A, x)
     env.set_state(CONN_A, x, start)
@@ -212,6 +222,7 @@ def test_backups_run_out(ecmp):
     is counted ing_fb_no_backup and leaves the slot with the (never used) bad EV."""
     env = ecmp
     conn = env.conn(CONN_A)
+    _sent(env)
     backups = [s.ev for s in env.ev_sets(CONN_A)[1][0]]
     bad = [_plane_ev(env, CONN_A, 0, k) for k in range(5)]
     for i, x in enumerate(bad):
@@ -237,6 +248,7 @@ def test_backups_run_out(ecmp):
 
 def test_connection_without_backups(ecmp):
     env = ecmp
+    _sent(env, CONN_B)
     x = _plane_ev(env, CONN_B, 1, 0)
     d = _fb(env, "sack", x, cid=CONN_B, m=SackM.ALWAYS_SKIP)
     assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1)
@@ -313,9 +325,9 @@ def test_sack_hole_not_a_loss(ecmp):
     d = _fb(env, "sack", echo, cack_psn=PSN0 + 16, sack_offset=-16,
             bitmap=_sack_bitmap(range(0, 16)))
     assert d == dict(ING_FB, ing_sack=1)
-    # PSNs never sprayed
+    # PSNs never sprayed (ahead of the newest sent): outside the sent window
     d = _fb(env, "sack", echo, cack_psn=PSN0 + 100, bitmap=_sack_bitmap([0, 3]))
-    assert d == dict(ING_FB, ing_sack=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_oow=1)
     # ring entry of PSN0+2 overwritten by PSN0+2+ring
     ring = const("MRC_PSN_RING")
     env.spray_evs(1, psn0=PSN0 + 2 + ring)
@@ -440,6 +452,8 @@ def test_spoofed_feedback_changes_nothing(ecmp, kind, kw, fields, ctr):
         echo = env.active_evs(CONN_B)[0]
     if kw.get("bitmap") == "loss":
         kw.update(cack_psn=PSN0, bitmap=_sack_bitmap([0, 1, 2]))
+    else:                                   # PSNs inside the sent window: only the key is wrong
+        kw["cack_psn" if kind == "sack" else "nack_psn"] = PSN0
     before = env.ev_table_bytes()
     psn_before = [env.psn_entry(CONN_A, p).flags for p in carried]
     f = env.feedback(kind, echo, **fields, **kw)
@@ -523,6 +537,7 @@ def test_busy_lock_replacement_is_made_by_spray(ecmp):
     """Another CPU holds the connection's swap lock when an EV is retired: counted
     ing_fb_busy, and the next packet that meets the retired slot swaps a backup in."""
     env = ecmp
+    _sent(env)
     x = _plane_ev(env, CONN_A, 0, 2)
     slot = env.slot_of(CONN_A, x)
     _set_lock(env, CONN_A, 1)
@@ -545,6 +560,7 @@ def test_event_ring_overflow_is_counted(ecmp):
     env = ecmp
     ring_bytes = const("MRC_EVENTS_BYTES")
     per_event = 32 + 8                                   # struct mrc_event + ringbuf header
+    _sent(env)
     x = _plane_ev(env, CONN_A, 1, 1)
     lost = 0
     for i in range(ring_bytes // per_event + 64):        # SKIP and back: one event each time
@@ -559,3 +575,181 @@ def test_event_ring_overflow_is_counted(ecmp):
     lost = env.counters().get("events_lost", 0)
     assert lost >= 1
     env.events()                                          # drain for the next test
+
+
+# ------------------------------------------------------------------ feedback outside the sent window
+# Threat model (README): feedback counts only when its PSNs lie inside what the
+# connection has sent.  H below is the newest PSN sprayed (PSN0 + NPSN - 1).  The
+# cumulative ack and the bitmap base may lie up to MRC_FB_WINDOW behind H + 1 (and not
+# ahead of it); every PSN the bitmap SACKs must be sent (not after H); the acked PSN
+# (cack + ack_psn_offset) and a NACK's PSN must be among the last MRC_PSN_RING PSNs sent,
+# as the PSN ring recorded them.  Anything else is counted ing_fb_oow and changes nothing.
+
+H = PSN0 + NPSN - 1
+M24 = 0xFFFFFF
+
+
+def _fb_window():
+    return const("MRC_FB_WINDOW")
+
+
+def _snapshot(env, psns):
+    return (env.ev_table_bytes(), [env.psn_entry(CONN_A, p).flags for p in psns],
+            [tuple(env.evctr(CONN_A, ev).values()) for ev in env.active_evs(CONN_A)])
+
+
+def _assert_ignored(env, kind, echo, psns, **kw):
+    """Feedback outside the sent window: counted ing_fb_oow (only), nothing changed."""
+    before = _snapshot(env, psns)
+    d = _fb(env, kind, echo, **kw)
+    assert d == dict(ING_FB, **{"ing_" + kind: 1, "ing_fb_oow": 1}), kw
+    assert _snapshot(env, psns) == before, kw
+    assert env.events() == [], kw
+
+
+# (id, SACK fields): one PSN outside the window each, the others inside; bitmap cases
+# ack H (the newest PSN, so their holes would count as losses if accepted)
+OOW_SACKS = [
+    ("cack-ahead-by-one", dict(cack_psn=H + 2, ack_psn_offset=-2)),
+    ("cack-far-ahead", dict(cack_psn=H + 5000, ack_psn_offset=-5000)),
+    ("cack-behind-window", dict(cack_psn=(PSN0 + 11 - 32767) & M24,
+                                ack_psn_offset=32767, sack_offset=32767)),
+    ("acked-ahead", dict(cack_psn=PSN0, ack_psn_offset=NPSN)),
+    ("acked-never-sent", dict(cack_psn=PSN0, ack_psn_offset=-1)),
+    ("acked-far-ahead", dict(cack_psn=PSN0, ack_psn_offset=0x7FFF)),
+    ("base-far-ahead", dict(cack_psn=PSN0, sack_offset=30000, bitmap=1,
+                            ack_psn_offset=NPSN - 1)),
+    ("base-behind-window", dict(cack_psn=PSN0, sack_offset=-0x8000,
+                                ack_psn_offset=NPSN - 1)),
+    ("bitmap-sacks-unsent", dict(cack_psn=PSN0, bitmap=1 | 1 << 40,
+                                 ack_psn_offset=NPSN - 1)),
+    ("bitmap-one-past-newest", dict(cack_psn=PSN0, bitmap=(1 << NPSN + 1) - 1,
+                                    ack_psn_offset=NPSN - 1)),
+    ("bitmap-top-bit-unsent", dict(cack_psn=PSN0, bitmap=1 << 63,
+                                   ack_psn_offset=NPSN - 1)),
+]
+
+
+@pytest.mark.parametrize("fields", [c[1] for c in OOW_SACKS], ids=[c[0] for c in OOW_SACKS])
+def test_sack_outside_sent_window_changes_nothing(ecmp, fields):
+    env = ecmp
+    carried = _spray_psns(env)
+    x = carried[PSN0]
+    for m in (SackM.ALWAYS_SKIP, SackM.SKIP_ONCE, SackM.NONE):
+        _assert_ignored(env, "sack", x, carried, m=m, **fields)
+    assert env.state(CONN_A, x) == EvState.GOOD
+
+
+OOW_NACKS = [("ahead-by-one", H + 1), ("far-ahead", H + 100000),
+             ("never-sent-just-behind", PSN0 - 1), ("far-behind", (PSN0 - 50000) & M24),
+             ("half-space-away", (H + 0x800000) & M24)]
+
+
+@pytest.mark.parametrize("psn", [c[1] for c in OOW_NACKS], ids=[c[0] for c in OOW_NACKS])
+def test_nack_outside_sent_window_changes_nothing(ecmp, psn):
+    env = ecmp
+    carried = _spray_psns(env)
+    x = carried[PSN0]
+    for reason in (NackReason.TRIMMED, NackReason.TRIMMED_LASTHOP):
+        _assert_ignored(env, "nack", x, carried, nack_psn=psn, reason=reason)
+    assert env.state(CONN_A, x) == EvState.GOOD
+
+
+def test_feedback_before_anything_was_sent_changes_nothing(ecmp):
+    env = ecmp
+    x = env.active_evs(CONN_A)[0]
+    _assert_ignored(env, "sack", x, [], m=SackM.ALWAYS_SKIP)
+    _assert_ignored(env, "nack", x, [], reason=NackReason.TRIMMED)
+    _assert_ignored(env, "sack", x, [], cack_psn=5, bitmap=0xFF00FF, m=SackM.SKIP_ONCE)
+
+
+def test_feedback_at_the_window_edges_is_applied(ecmp):
+    """The edges inside: NACKs of the oldest and the newest PSN sent, cack = H + 1
+    (everything received), cack and bitmap base MRC_FB_WINDOW behind H + 1; a
+    retransmission (of PSN0, first) does not pull the window back."""
+    env = ecmp
+    w = _fb_window()
+    assert w == 0x8000, "OOW_SACKS cack-behind-window assumes a window of 32768"
+    carried = _spray_psns(env)
+    ret, out = env.run("spray", data(PSN0, rtx=True))
+    assert ret == XDP_REDIRECT
+    x, y = carried[PSN0], carried[H]
+    assert _fb(env, "nack", x, nack_psn=PSN0) == dict(ING_FB, ing_nack=1, ing_fb_skip=1)
+    d = _fb(env, "nack", y, nack_psn=H)
+    assert d == dict(ING_FB, ing_nack=1, **({"ing_fb_skip": 1} if y != x else {}))
+    a, b = [ev for ev in env.active_evs(CONN_A) if ev not in (x, y)][:2]
+    d = _fb(env, "sack", a, cack_psn=H + 1, ack_psn_offset=-1, m=SackM.ALWAYS_SKIP)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+    d = _fb(env, "sack", b, cack_psn=(H + 1 - w) & M24, ack_psn_offset=w - 1,
+            sack_offset=w - 1, bitmap=1, m=SackM.SKIP_ONCE)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_skip=1)
+
+
+def test_acked_psn_older_than_the_ring_changes_nothing(ecmp):
+    """PSN0+5 is still in its ring entry, but MRC_PSN_RING or more PSNs were sent since:
+    no longer in flight."""
+    env = ecmp
+    carried = _spray_psns(env)
+    ring = const("MRC_PSN_RING")
+    env.spray_evs(1, psn0=PSN0 + 5 + ring + 7)
+    assert env.psn_entry(CONN_A, PSN0 + 5).psn == PSN0 + 5
+    x = carried[PSN0]
+    _assert_ignored(env, "sack", x, carried, cack_psn=PSN0, ack_psn_offset=5, m=SackM.ALWAYS_SKIP)
+    _assert_ignored(env, "nack", x, carried, nack_psn=PSN0 + 5)
+
+
+def test_window_across_psn_wraparound(ecmp):
+    """PSNs 0xFFFFF0 .. 0x00000F sent: serial-number arithmetic on both sides of 0."""
+    env = ecmp
+    first = 0xFFFFF0
+    carried = {}
+    for i in range(NPSN):
+        psn = (first + i) & M24
+        carried[psn] = env.spray_evs(1, psn0=psn)[0]
+    hi = (first + NPSN - 1) & M24
+    assert hi == 0x0F
+    x = carried[first]
+    for kw in (dict(cack_psn=hi + 2, ack_psn_offset=-2), dict(cack_psn=first, ack_psn_offset=NPSN),
+               dict(cack_psn=first, ack_psn_offset=-1), dict(cack_psn=first, bitmap=1 << 40,
+                                                            ack_psn_offset=NPSN - 1)):
+        _assert_ignored(env, "sack", x, carried, m=SackM.ALWAYS_SKIP, **kw)
+    for psn in (hi + 1, first - 1, (first - 40000) & M24):
+        _assert_ignored(env, "nack", x, carried, nack_psn=psn)
+    # inside: NACKs on both sides of 0, a bitmap loss across the wrap
+    y = carried[0xFFFFFE]
+    assert _fb(env, "nack", y, nack_psn=0xFFFFFE) == dict(ING_FB, ing_nack=1, ing_fb_skip=1)
+    z = carried[0x000002]
+    d = _fb(env, "nack", z, nack_psn=0x000002)
+    assert d == dict(ING_FB, ing_nack=1, **({"ing_fb_skip": 1} if z != y else {}))
+    hole = next(h for h in range(NPSN - LOSS_REORDER)
+                if carried[(first + h) & M24] not in (y, z))
+    lost = carried[(first + hole) & M24]
+    d = _fb(env, "sack", _other_ev(env, lost), cack_psn=first, bitmap=_sack_bitmap([hole]))
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+    assert env.state(CONN_A, lost) == EvState.ASSUMED_BAD
+
+
+def test_issue6_forged_sack_burst_retires_nothing(ecmp):
+    """Issue 6, defect 9: forged SACKs from the peer's address and QPN, echoing no EV of
+    the set, whose bitmaps SACK PSNs never sent (and ack one never sent, or the newest),
+    retired EVs through loss attribution until plane 0 ran out of backups.  Now each is
+    counted ing_fb_oow and nothing changes."""
+    env = ecmp
+    carried = _spray_psns(env)
+    before = _snapshot(env, carried)
+    tot = collections.Counter()
+    for i in range(16):
+        aoff = 63 if i % 2 else NPSN - 1               # acked: never sent / the newest
+        f = env.feedback("sack", 0xDEADBEEF, cack_psn=PSN0, bitmap=1 << 63,
+                         ack_psn_offset=aoff)
+        ret, out, d = env.run_counted("ingress", f)
+        assert ret == XDP_REDIRECT and out == with_macs(f, *env.engine_macs())
+        tot.update(d)
+    assert dict(tot) == {"ing_rx": 16, "ing_to_engine": 16, "ing_sack": 16, "ing_fb_oow": 16}
+    assert _snapshot(env, carried) == before
+    assert env.events() == []
+    assert all(env.state(CONN_A, ev) == EvState.GOOD for ev in env.active_evs(CONN_A))
+    # the same bitmap from inside the window (SACKing PSNs that were sent) still counts
+    d = _fb(env, "sack", 0xDEADBEEF, cack_psn=PSN0, bitmap=1 << (NPSN - 1),
+            ack_psn_offset=NPSN - 1)
+    assert d["ing_loss"] == const("MRC_LOSS_BATCH") and d["ing_fb_no_ev"] == 1

@@ -47,7 +47,7 @@ def test_ingress_for_us_goes_to_engine(ecmp, kind, kw):
     assert out.hex() == with_macs(f, *env.engine_macs()).hex()
     want = {"ing_rx": 1, KIND_CTR[kind]: 1, "ing_to_engine": 1}
     if kind in ("sack", "nack"):
-        want["ing_fb_no_ev"] = 1          # the echoed 0x77 is no EV of connection A
+        want["ing_fb_oow"] = 1            # connection A has sent nothing: PSN 7 is outside
     assert d == want
     assert env.ev_table_bytes() == before_evs
     rx = env.rxev()
@@ -210,6 +210,7 @@ def test_ingress_srv6_feedback_applied_after_decap(srv6):
     """The EV state machine reads the SETH at its post-decap offset."""
     env = srv6
     ev = env.active_evs(CONN_A)[2]
+    env.spray_evs(1)                      # the feedback acks PSN 0: sent
     f = _encap(env.feedback("sack", ev, m=SackM.ALWAYS_SKIP))
     ret, out, d = env.run_counted("ingress", f)
     assert ret == XDP_REDIRECT

@@ -345,7 +345,8 @@ def test_must_show_spraying_100k_balanced_and_bad_ev_never_used(ecmp):
     bad_slot = env.slot_of(CONN_A, bad)
     backups1 = [s.ev for s in env.ev_sets(CONN_A)[1][1]]
     tx_before = env.evctr(CONN_A, bad)["tx_pkts"]
-    ret, _, d = env.run_counted("ingress", env.feedback("sack", bad, m=SackM.ALWAYS_SKIP))
+    ret, _, d = env.run_counted("ingress", env.feedback("sack", bad, m=SackM.ALWAYS_SKIP,
+                                                        cack_psn=N_SPRAY - 1))
     assert ret == XDP_REDIRECT
     assert d["ing_fb_bad"] == 1 and d["ing_fb_replaced"] == 1
     assert env.state(CONN_A, bad) == EvState.ASSUMED_BAD
