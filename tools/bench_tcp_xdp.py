@@ -5,11 +5,13 @@
 
 Two namespaces A (sender) and B (receiver) wired like the live pair: veths p0 and p1
 between them and mrc0/mrc0p in each.  TCP (iperf3, one stream, A -> B over p0's IPv6
-addresses, nothing on loopback) is measured under each condition, the conditions taken
-in turn and the whole sequence repeated --reps times, so drift and other load on the
-machine hit every condition alike.  Each line: Gbit/s per repetition, the median, its
-ratio to the median of "none", and the offload state the kernel reports at that moment
-(tso/gso of A's p0, the sender; gro of B's p0, the receiver).
+addresses, nothing on loopback) is measured under each condition with "none" (no XDP)
+measured between every two conditions: none c1 none c2 ... cN none, the order rotated
+each round, --reps rounds.  Each measurement's ratio is taken against the mean of the two
+"none" runs around it, so drift and other load on a shared machine cancel out as far as
+they can.  Each line: Gbit/s per round, the median, the ratio per round and its median,
+and the offload state the kernel reports at that moment (tso/gso of A's p0, the sender;
+gro of B's p0, the receiver).
 
 Conditions:
 
@@ -247,7 +249,7 @@ class Bench:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=2.5, help="iperf3 time per measurement")
+    ap.add_argument("--seconds", type=float, default=1.5, help="iperf3 time per measurement")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated conditions (none is always measured)")
     ap.add_argument("--json", action="store_true")
@@ -282,34 +284,52 @@ def run(a, conds) -> int:
     notes = {}
     try:
         b.setup(want_mrc=any(c.startswith("mrc") for c in conds))
-        print("kernel %s; %d x %d measurements of %gs, interleaved (set-up %.1fs)"
-              % (os.uname().release, len(conds), a.reps, a.seconds, time.monotonic() - t0), flush=True)
+        print("kernel %s; %d conditions x %d rounds, %gs each, `none` between every two "
+              "(set-up %.1fs)" % (os.uname().release, len(conds) - 1, a.reps, a.seconds,
+                                  time.monotonic() - t0), flush=True)
+        others = [c for c in conds if c != "none"]
+        ratios = {c: [] for c in others}
+
+        def measure(c):
+            notes[c] = b.enter(c)
+            try:
+                v = b.run_tcp()
+            finally:
+                b.leave(c)
+            res[c].append(v)
+            return v
+
         for rep in range(a.reps):
-            order = conds[rep % len(conds):] + conds[:rep % len(conds)]   # rotate each round
+            k = rep * max(1, len(others) // a.reps)
+            order = others[k % len(others):] + others[:k % len(others)]   # rotated each round
+            before = measure("none")
             for c in order:
-                notes[c] = b.enter(c)
-                try:
-                    res[c].append(b.run_tcp())
-                finally:
-                    b.leave(c)
+                v = measure(c)
+                after = measure("none")
+                ratios[c].append(v / ((before + after) / 2))
+                before = after
     finally:
         b.close()
-    base = statistics.median(res["none"])
-    out = []
-    for c in conds:
-        med = statistics.median(res[c])
-        out.append({"condition": c, "gbps": [round(x, 2) for x in res[c]], "median_gbps": round(med, 2),
-                    "ratio": round(med / base, 2), "notes": notes.get(c, {})})
+    out = [{"condition": "none", "gbps": [round(x, 2) for x in res["none"]],
+            "median_gbps": round(statistics.median(res["none"]), 2), "ratio": 1.0,
+            "ratios": [], "notes": notes.get("none", {})}]
+    for c in others:
+        out.append({"condition": c, "gbps": [round(x, 2) for x in res[c]],
+                    "median_gbps": round(statistics.median(res[c]), 2),
+                    "ratio": round(statistics.median(ratios[c]), 2),
+                    "ratios": [round(x, 2) for x in ratios[c]], "notes": notes.get(c, {})})
     if a.json:
         print(json.dumps({"kernel": os.uname().release, "seconds": a.seconds, "reps": a.reps,
                           "results": out}, indent=1))
     else:
-        print("%-13s %-22s %7s %6s  %s" % ("condition", "Gbit/s (each rep)", "median", "ratio", "offloads / notes"))
+        print("%-13s %-17s %6s %-17s %6s  %s" % ("condition", "Gbit/s per round", "median",
+                                                "ratio per round", "ratio", "offloads / notes"))
         for r in out:
-            n = r["notes"]
-            print("%-13s %-22s %7.2f %5.2fx  %s" % (
-                r["condition"], " ".join("%.2f" % x for x in r["gbps"]), r["median_gbps"], r["ratio"],
-                "; ".join("%s %s" % kv for kv in n.items())))
+            g = " ".join("%.2f" % x for x in r["gbps"]) if r["condition"] != "none" else \
+                "%d runs" % len(r["gbps"])
+            print("%-13s %-17s %6.2f %-17s %5.2fx  %s" % (
+                r["condition"], g, r["median_gbps"], " ".join("%.2f" % x for x in r["ratios"]),
+                r["ratio"], "; ".join("%s %s" % kv for kv in r["notes"].items())))
     print("total %.1fs" % (time.monotonic() - t0))
     return 0
 
