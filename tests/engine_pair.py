@@ -19,6 +19,7 @@ from mrc_xdp import netns
 
 A_ADDR, B_ADDR = "fd00:78::a", "fd00:78::b"
 CONNS = [(0x2A0 + i, 0x2B0 + i) for i in range(4)]      # (A's QPN, B's QPN)
+PLANE_IFINDEX = {"a": 3100, "b": 3200}                    # + plane number
 CLI = [sys.executable, "-m", "mrc_xdp.cli"]
 MTU = 3506        # the largest MTU veth accepts with a native XDP program here (measured, kernel 6.18)
 
@@ -39,21 +40,23 @@ def cli(*args, check=True):
     return r
 
 
-def host_toml(inst, local, peer, conns, gw_macs, mode="ecmp"):
+def host_toml(inst, local, peer, conns, gw_macs, mode="ecmp", extra=""):
     planes = "".join('[[planes]]\ndev = "p%d"\ngateway_mac = "%s"\n\n' % (i, m) for i, m in enumerate(gw_macs))
     cs = "".join('[[connections]]\npeer = "%s"\nlocal_qpn = %d\nremote_qpn = %d\nev_per_plane = 4\n'
                  'backup_per_plane = 2\n\n' % (peer, lq, rq) for lq, rq in conns)
-    return 'instance = "%s"\nmode = "%s"\nlocal_addr = "%s"\n\n%s%s' % (inst, mode, local, planes, cs)
+    return 'instance = "%s"\nmode = "%s"\nlocal_addr = "%s"\n%s\n%s%s' % (inst, mode, local, extra, planes, cs)
 
 
 class Pair:
-    def __init__(self, tmp_dir: str, mtu: int = MTU):
+    def __init__(self, tmp_dir: str, mtu: int = MTU, extra: str = ""):
+        """extra: top-level host config lines (e.g. "loss_thresh = 1000000")."""
         tag = "%x%s" % (os.getpid(), os.urandom(2).hex())
         self.a, self.b = "mrceA-" + tag, "mrceB-" + tag
         self.ia, self.ib = "teA-" + tag, "teB-" + tag
         self.loaded: list[str] = []
         self.tmp = tmp_dir
         self.mtu = mtu
+        self.extra = extra
 
     def up(self):
         for n in (self.a, self.b):
@@ -61,17 +64,20 @@ class Pair:
         for n in (self.a, self.b):
             sh(n, "ip link set lo up; ip link add mrc0 mtu %d type veth peer name mrc0p mtu %d; "
                   "ip link set mrc0 up; ip link set mrc0p up" % (self.mtu, self.mtu))
-        for p in ("p0", "p1"):
-            subprocess.run(["ip", "link", "add", p, "netns", self.a, "mtu", str(self.mtu), "type", "veth",
-                            "peer", "name", p, "netns", self.b, "mtu", str(self.mtu)], check=True)
+        for k, p in enumerate(("p0", "p1")):
+            # ifindexes unique across both namespaces: the link model keys its maps by them
+            subprocess.run(["ip", "link", "add", p, "index", str(PLANE_IFINDEX["a"] + k), "netns", self.a,
+                            "mtu", str(self.mtu), "type", "veth", "peer", "name", p, "index",
+                            str(PLANE_IFINDEX["b"] + k), "netns", self.b, "mtu", str(self.mtu)], check=True)
             sh(self.a, "ip link set %s up" % p)
             sh(self.b, "ip link set %s up" % p)
         ta, tb = os.path.join(self.tmp, "a.toml"), os.path.join(self.tmp, "b.toml")
         with open(ta, "w") as f:
-            f.write(host_toml(self.ia, A_ADDR, B_ADDR, CONNS, [mac_of(self.b, "p0"), mac_of(self.b, "p1")]))
+            f.write(host_toml(self.ia, A_ADDR, B_ADDR, CONNS, [mac_of(self.b, "p0"), mac_of(self.b, "p1")],
+                              extra=self.extra))
         with open(tb, "w") as f:
             f.write(host_toml(self.ib, B_ADDR, A_ADDR, [(b, a) for a, b in CONNS],
-                              [mac_of(self.a, "p0"), mac_of(self.a, "p1")]))
+                              [mac_of(self.a, "p0"), mac_of(self.a, "p1")], extra=self.extra))
         self.ta, self.tb = ta, tb
         self.load("a")
         self.load("b")

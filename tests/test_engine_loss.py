@@ -1,0 +1,147 @@
+"""Transport engine under loss, trimming and ECN on the live pair.
+
+The lab's link model (bpf/linkmodel.c, real XDP) is attached to both hosts' plane
+NICs, in front of the datapath's ingress (tail call through mrc_lnext, as the lab
+does): random loss on data and on SACKs, or a slow phantom queue that marks CE and
+trims data to its headers.  Every transfer must complete with the right hash, by
+selective retransmission, within a stated bound.
+"""
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from mrc_xdp import bpfsys, maps, transport
+from mrc_xdp.lab import linkmodel as lmod
+
+import engine_pair as ep_
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_XDP, netns)")
+
+SIZE = 32 << 20
+
+
+def ifindex(ns, dev):
+    out = ep_.netns.run_cmd(ns, ["ip", "-j", "link", "show", dev]).stdout
+    return json.loads(out)[0]["ifindex"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    # random loss is not a path failure: the datapath must not retire EVs for it (with
+    # the default loss_thresh 1 every EV of the pair would be ASSUMED_BAD within a
+    # dozen losses, and spray would have none left)
+    p = ep_.Pair(str(tmp_path_factory.mktemp("engloss")), extra="loss_thresh = 1000000\n")
+    lm = None
+    try:
+        p.up()
+        lm = lmod.LinkModel.load()
+        links = []
+        for slot, (ns, inst) in enumerate(((p.a, p.ia), (p.b, p.ib))):
+            ing = bpfsys.obj_get(os.path.join(maps.pin_dir(inst), "prog_ingress"))
+            try:
+                for k, dev in enumerate(("p0", "p1")):
+                    ix = ifindex(ns, dev)
+                    lm.set(ix, {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12})
+                    lm.set_next(ix, slot * 2 + k, ing)
+                    lmod.xdp_attach(ix, lm.prog_fd, netns_name=ns)
+                    links.append((ns, ix, "b" if ns == p.b else "a"))
+            finally:
+                os.close(ing)
+        a = transport.Endpoint(p.ia)
+        b = transport.Endpoint(p.ib)
+        src = bytearray(os.urandom(SIZE))
+        dst = bytearray(SIZE)
+        e = {"pair": p, "lm": lm, "links": links, "A": a, "B": b, "src": src, "dst": dst,
+             "ma": a.reg_mr(src), "mb": b.reg_mr(dst)}
+        yield e
+        a.close()
+        b.close()
+    finally:
+        if lm is not None:
+            lm.close()
+        p.down()
+
+
+def configure(env, to_b: dict, to_a: dict | None = None):
+    base = {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12}
+    for ns, ix, side in env["links"]:
+        cfg = dict(base, **(to_b if side == "b" else (to_a or {})))
+        nxt = env["lm"].get(ix)["next_prog"]
+        env["lm"].set(ix, dict(cfg, next_prog=nxt))
+
+
+def link_counters(env, side):
+    tot = {}
+    for ns, ix, s in env["links"]:
+        if s == side:
+            for k, v in env["lm"].counters(ix).items():
+                tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def run_transfer(env, k, size, imm=1, timeout=90):
+    A, B = env["A"], env["B"]
+    qa = A.create_qp(qpn=ep_.CONNS[k][0])
+    qb = B.create_qp(qpn=ep_.CONNS[k][1])
+    qa.connect(qb.local_attrs())
+    qb.connect(qa.local_attrs())
+    env["dst"][:size] = bytes(size)
+    t0 = time.monotonic()
+    qa.post_write(k, env["ma"], 0, size, env["mb"].addr, env["mb"].rkey, imm=imm)
+    ca = A.cq.wait_blocking(timeout=timeout)
+    cb = B.cq.wait_blocking(timeout=10)
+    dt = time.monotonic() - t0
+    sa, sb = qa.stats(), qb.stats()
+    qa.destroy()
+    qb.destroy()
+    assert [(c.wr_id, c.status) for c in ca] == [(k, transport.WcStatus.SUCCESS)], (ca, sa)
+    assert [(c.imm, c.byte_len) for c in cb] == [(imm, size)], (cb, sb)
+    assert hashlib.sha256(env["dst"][:size]).digest() == hashlib.sha256(env["src"][:size]).digest()
+    return sa, sb, dt
+
+
+@pytest.mark.parametrize("ppm", [10000, 100000])
+def test_random_loss(env, ppm):
+    """1% and 10% random loss on every plane link, both directions (data and SACKs)."""
+    configure(env, {"loss_ppm": ppm}, {"loss_ppm": ppm})
+    size = SIZE if ppm <= 10000 else SIZE // 4
+    try:
+        sa, sb, dt = run_transfer(env, 0 if ppm <= 10000 else 1, size)
+        lost = link_counters(env, "b")["drop_loss"]
+    finally:
+        configure(env, {}, {})
+    npk = -(-size // env["A"].payload)
+    print("loss %.0f%%: %d packets, %d dropped on the way, %d retransmitted (sack %d, timeout %d), "
+          "%.2f s" % (ppm / 1e4, npk, lost, sa["rtx_pkts"], sa["rtx_sack"], sa["rtx_timeout"], dt))
+    assert lost > 0
+    # selective: each lost data packet is resent about once; spurious resends (lost
+    # SACKs, tail timeouts) stay within the loss rate again
+    assert sa["rtx_pkts"] >= lost * 0.5
+    assert sa["rtx_pkts"] <= npk * (3 * ppm / 1e6) + 64, sa
+    assert sa["rtx_sack"] > 0                 # most losses found from the SACK bitmap
+    assert sb["rx_pkts"] == npk               # every PSN placed exactly once
+    assert sa["state_name"] == "rts"
+
+
+def test_trim_and_ecn(env):
+    """A slow phantom queue on B's plane links: CE marks drive the window down (SACK
+    M=SKIP_ONCE), trimmed frames come back as NACK TRIMMED and are resent at once."""
+    configure(env, {"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000,
+                    "ecn": True, "trim": True})
+    try:
+        sa, sb, dt = run_transfer(env, 2, SIZE // 2)
+        lc = link_counters(env, "b")
+    finally:
+        configure(env, {}, {})
+    print("trim/ecn: marked %d trimmed %d; sender nacks_trim %d rtx_nack_trim %d sacks_ecn %d "
+          "cc_dec %d cwnd %d; %.2f s" % (lc["marked"], lc["trimmed"], sa["nacks_rx_trim"],
+                                         sa["rtx_nack_trim"], sa["sacks_rx_ecn"], sa["cc_dec"],
+                                         sa["cwnd"], dt))
+    assert lc["marked"] > 0 and sb["rx_ce"] > 0 and sa["sacks_rx_ecn"] > 0
+    assert sa["cc_dec"] > 0
+    if lc["trimmed"]:
+        assert sa["nacks_rx_trim"] > 0 and sa["rtx_nack_trim"] > 0
+    assert sa["rtx_pkts"] <= lc["trimmed"] + lc["drop_loss"] + sa["tx_pkts"] * 0.05 + 64
