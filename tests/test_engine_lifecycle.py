@@ -1,0 +1,154 @@
+"""Transport engine lifecycle on the live pair: 1,000 QPs and repeated endpoints leave
+nothing behind, an idle engine sleeps, a vanished peer puts the QP in error within the
+retry budget, a missing datapath is one clear error."""
+import os
+import time
+
+import pytest
+
+from mrc_xdp import transport
+
+import engine_pair as ep_
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_XDP, netns)")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    p = ep_.Pair(str(tmp_path_factory.mktemp("englife")))
+    try:
+        p.up()
+        yield p
+    finally:
+        p.down()
+
+
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def cpu_ticks_of_new_threads(before: set) -> int:
+    total = 0
+    for tid in set(os.listdir("/proc/self/task")) - before:
+        with open("/proc/self/task/%s/stat" % tid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])      # utime + stime
+    return total
+
+
+def test_endpoint_errors_are_one_line():
+    with pytest.raises(transport.TransportError, match="not loaded"):
+        transport.Endpoint("no-such-instance-%d" % os.getpid())
+
+
+def test_thousand_qps_and_idle(pair):
+    """1,000 QP pairs created, connected and destroyed (every 50th moves 64 KiB): no QP,
+    UMEM frame, fd or thread left; an idle endpoint's thread sleeps."""
+    fd0, th0 = fds(), threads()
+    tasks0 = set(os.listdir("/proc/self/task"))
+    A, B = transport.Endpoint(pair.ia), transport.Endpoint(pair.ib)
+    try:
+        assert threads() == th0 + 2
+        free0 = A.stats()["umem_free"]
+        src, dst = bytearray(os.urandom(65536)), bytearray(65536)
+        ma, mb = A.reg_mr(src), B.reg_mr(dst)
+        for i in range(1000):
+            qa = A.create_qp(qpn=ep_.CONNS[0][0])
+            qb = B.create_qp(qpn=ep_.CONNS[0][1])
+            qa.connect(qb.local_attrs())
+            qb.connect(qa.local_attrs())
+            if i % 50 == 0:
+                qa.post_write(i, ma, 0, 65536, mb.addr, mb.rkey, imm=i)
+                ca = A.cq.wait_blocking(timeout=10)
+                cb = B.cq.wait_blocking(timeout=10)
+                assert [(c.wr_id, c.ok) for c in ca] == [(i, True)] and [c.imm for c in cb] == [i]
+            qa.destroy()
+            qb.destroy()
+        assert dst == src
+        time.sleep(0.1)          # the last completions' frames come back
+        for ep in (A, B):
+            st = ep.stats()
+            assert st["qps"] == 0 and st["umem_free"] == free0, st
+        # idle: both progress threads asleep in ppoll (no spinning at 0 load)
+        t0 = cpu_ticks_of_new_threads(tasks0)
+        time.sleep(1.0)
+        idle = cpu_ticks_of_new_threads(tasks0) - t0
+        assert idle <= 5, "idle engine threads used %d ticks in 1 s" % idle
+    finally:
+        A.close()
+        B.close()
+    assert fds() == fd0 and threads() == th0
+    # endpoints opened and closed again and again: the same
+    for _ in range(20):
+        with transport.Endpoint(pair.ia) as ep:
+            ep.create_qp()
+    assert fds() == fd0 and threads() == th0
+
+
+def test_peer_vanishes(pair):
+    """B's datapath is unloaded mid-transfer: A's QP reaches the error state within the
+    retry budget (every outstanding WR completes with an error), nothing hangs; then B's
+    namespace is deleted under a second transfer, with the same outcome."""
+    opts = dict(rto_min_us=2000, rto_max_us=100000, retry_limit=6)
+    budget = sum(min(2 * 2 ** i, 100) for i in range(opts["retry_limit"] + 1)) / 1000.0
+    A = transport.Endpoint(pair.ia, **opts)
+    B = transport.Endpoint(pair.ib)
+    size = 64 << 20
+    src, dst = bytearray(size), bytearray(size)
+    ma, mb = A.reg_mr(src), B.reg_mr(dst)
+    try:
+        qa = A.create_qp(qpn=ep_.CONNS[1][0])
+        qb = B.create_qp(qpn=ep_.CONNS[1][1])
+        qa.connect(qb.local_attrs())
+        qb.connect(qa.local_attrs())
+        n = 96                   # 96 x 16 MiB: seconds of work, the unload lands midway
+        for i in range(n):
+            qa.post_write(i, ma, 0, 16 << 20, mb.addr, mb.rkey)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        pair.unload("b")             # a CLI run: the datapath goes early in it
+        t_unloaded = time.monotonic()
+        got = []
+        while len(got) < n and time.monotonic() - t_unloaded < 60:
+            got += A.cq.wait_blocking(timeout=1)
+        st = qa.stats()
+        assert len(got) == n, got
+        assert [c.wr_id for c in got] == list(range(n))
+        failed = [c for c in got if not c.ok]
+        assert failed and failed[0].status == transport.WcStatus.RETRY_EXC_ERR, got
+        assert all(c.status == transport.WcStatus.WR_FLUSH_ERR for c in failed[1:]), got
+        assert all(c.ok for c in got[:n - len(failed)])
+        assert qa.state == transport.QpState.ERROR and st["timeouts"] >= opts["retry_limit"] + 1
+        dt = time.monotonic() - t0
+        # the unload, then the budget (backoff from rto_min, capped at rto_max), plus slack
+        assert dt < (t_unloaded - t0) + budget + 2.0, (dt, budget)
+        print("peer unloaded: QP error %.2f s after the unload began (unload took %.2f s; retry "
+              "budget %.2f s), %d timeouts" % (dt, t_unloaded - t0, budget, st["timeouts"]))
+        with pytest.raises(transport.TransportError):
+            qa.post_write(9, ma, 0, 1, mb.addr, mb.rkey)
+        qa.destroy()
+        qb.destroy()
+    finally:
+        B.close()
+
+    # B's namespace goes away (its veths with it) under a running transfer
+    pair.load("b")
+    B = transport.Endpoint(pair.ib)
+    mb = B.reg_mr(dst)
+    qa = A.create_qp(qpn=ep_.CONNS[2][0])
+    qb = B.create_qp(qpn=ep_.CONNS[2][1])
+    qa.connect(qb.local_attrs())
+    qb.connect(qa.local_attrs())
+    qa.post_write(1, ma, 0, size, mb.addr, mb.rkey)
+    time.sleep(0.02)
+    B.close()
+    pair.unload("b")
+    ep_.netns.delete(pair.b)
+    got = A.cq.wait_blocking(timeout=budget + 5)
+    assert [c.status for c in got] == [transport.WcStatus.RETRY_EXC_ERR] or \
+        (got and got[0].ok), got        # ok only if it finished before B went away
+    A.close()
