@@ -426,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
     sp.set_defaults(fn=cmd_demo)
 
+    from . import perf                  # write-bw, write-lat, send, recv
+    perf.add_parsers(sub)
+
     try:
         from .lab import cli as lab_cli
         lab_cli.add_parser(sub)

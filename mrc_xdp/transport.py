@@ -202,11 +202,35 @@ class QP:
         _, lib = _engine()
         payload = min(int(remote.get("mtu", self._ep.payload)), self._ep.payload)
         peer = ipaddress.IPv6Address(remote["addr"]).packed
+        self._add_conn(remote)
         _check(lib.mrc_eng_qp_connect(self._ep._e, self.qpn, peer, int(remote["qpn"]),
                                       int(remote.get("start_psn", 0)) & 0xFFFFFF, payload),
                "connect qp %#x" % self.qpn)
         self.remote = dict(remote)
         self.payload = payload
+
+    def _add_conn(self, remote: dict) -> None:
+        """The datapath sprays only connections it knows: add (peer, this QPN, the peer's
+        QPN) to the instance's maps when it does not list them (mrc_xdp.conns); destroy()
+        removes what was added here."""
+        from . import conns
+        if getattr(self, "_conn", None) or conns.find(self._ep.instance, remote["addr"], self.qpn) is not None:
+            return
+        try:
+            conns.add(self._ep.instance, remote["addr"], self.qpn, int(remote["qpn"]),
+                      name="qp%#x" % self.qpn, owner=os.getpid())
+        except conns.ConnError as e:
+            raise TransportError("connect qp %#x: %s" % (self.qpn, e)) from None
+        self._conn = remote["addr"]
+
+    def _drop_conn(self) -> None:
+        peer, self._conn = getattr(self, "_conn", None), None
+        if peer:
+            from . import conns
+            try:
+                conns.remove(self._ep.instance, peer, self.qpn)
+            except (conns.ConnError, maps.NotLoaded, OSError):
+                pass       # already removed, or the datapath was unloaded
 
     def post_write(self, wr_id: int, mr: MR, offset: int, length: int, remote_addr: int,
                    rkey: int, imm: int | None = None) -> None:
@@ -244,6 +268,7 @@ class QP:
         """Flush outstanding work (completions with WR_FLUSH_ERR) and free the QP."""
         if not self._destroyed and self._ep._e is not None:
             _engine()[1].mrc_eng_qp_destroy(self._ep._e, self.qpn)
+        self._drop_conn()
         self._destroyed = True
         self._ep._qps.pop(self.qpn, None)
 
@@ -451,13 +476,16 @@ class Endpoint:
         """Stop the progress thread and free the socket, UMEM and QPs."""
         if self._e is None:
             return
-        for qp in list(self._qps.values()):
+        qps = list(self._qps.values())
+        for qp in qps:
             qp._destroyed = True
         self._qps.clear()
         for mr in self._mrs:
             mr.registered = False
         e, self._e = self._e, None
         _engine()[1].mrc_eng_close(e)
+        for qp in qps:
+            qp._drop_conn()
 
     def __enter__(self):
         return self

@@ -1,0 +1,606 @@
+"""perftest-style tools over the transport engine: write-bw, write-lat, send, recv.
+
+The commands RDMA users know (ib_write_bw / ib_write_lat): the server runs without a
+peer argument, the client names the server's control address.  QP attributes (QPN,
+start PSN, MR address, length and R_Key, MTU, MRC address) go over the TCP bootstrap
+(mrc_xdp.bootstrap, port 18515); the data goes over MRC.  A QP's connection is added to
+the datapath's maps by QP.connect (mrc_xdp.conns) when the instance does not list it,
+and removed when the QP is destroyed.
+
+Library functions (``write_bw_client``, ``write_bw_server``, ``write_lat_*``,
+``send_file``, ``recv_file``) return result dicts; the CLI prints them as the familiar
+tables or, with --json, as one JSON line.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import sys
+import time
+
+from . import bootstrap as bs
+
+DEFAULT_SIZE = 65536
+MAX_QPS = 60          # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
+CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
+MAX_INFLIGHT_BYTES = 32 << 20
+
+
+class PerfError(RuntimeError):
+    """One line: what failed, what to do."""
+
+
+def _transport():
+    from . import transport
+    return transport
+
+
+# ------------------------------------------------------------------ shared set-up
+
+class Session:
+    """An endpoint, its QPs and MR, and the bootstrap channel; closes all of it."""
+
+    def __init__(self, instance: str, ns: str | None, mtu: int | None = None):
+        t = _transport()
+        self.ep = t.Endpoint(instance, ns, mtu=mtu)
+        self.qps = []
+        self.mr = None
+        self.ch = None
+
+    def make_qps(self, n: int):
+        self.qps = [self.ep.create_qp() for _ in range(n)]
+        return self.qps
+
+    def attrs(self):
+        return [bs.qp_attrs(q, self.mr) for q in self.qps]
+
+    def connect(self, remote: list):
+        if len(remote) != len(self.qps):
+            raise PerfError("the peer offered %d QPs, this side has %d" % (len(remote), len(self.qps)))
+        for q, r in zip(self.qps, remote):
+            q.connect(bs.check_qp_attrs(r))
+
+    def stats(self) -> list[dict]:
+        out = []
+        for q in self.qps:
+            try:
+                out.append(q.stats())
+            except Exception:      # a QP that failed: no stats
+                pass
+        return out
+
+    def close(self):
+        if self.ch:
+            self.ch.close()
+        for q in self.qps:
+            try:
+                q.destroy()
+            except Exception:
+                pass
+        self.ep.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+
+def _check_wc(c, what: str):
+    if not c.ok:
+        raise PerfError("%s: QP %#x work request %d completed with %s%s" % (
+            what, c.qpn, c.wr_id, c.status.name,
+            {"RETRY_EXC_ERR": " (the peer stopped answering: is it running, is the fabric up?)",
+             "REM_ACCESS_ERR": " (the peer refused the R_Key or range)"}.get(c.status.name, "")))
+
+
+def _summ_qp_stats(stats: list[dict]) -> dict:
+    keys = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
+            "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "rx_bytes", "rx_dup", "rx_ce")
+    out = {k: sum(s.get(k, 0) for s in stats) for k in keys}
+    if stats:
+        out["cwnd"] = [s.get("cwnd") for s in stats]
+        out["srtt_us"] = [round(s.get("srtt_ns", 0) / 1000, 1) for s in stats]
+    return out
+
+
+class Progress:
+    """One line a second on stderr for runs longer than a couple of seconds."""
+
+    def __init__(self, enabled: bool, what: str):
+        self.enabled = enabled
+        self.what = what
+        self.t0 = self.last = time.monotonic()
+        self.last_bytes = 0
+
+    def tick(self, total_bytes: int, extra: str = ""):
+        now = time.monotonic()
+        if not self.enabled or now - self.last < 1.0:
+            return
+        rate = (total_bytes - self.last_bytes) * 8 / (now - self.last)
+        print("  %6.1f s  %10.1f MiB  %9.1f Mbit/s%s" % (now - self.t0, total_bytes / 2**20, rate / 1e6, extra),
+              file=sys.stderr, flush=True)
+        self.last, self.last_bytes = now, total_bytes
+
+
+# ------------------------------------------------------------------ write-bw
+
+def _drain(ep, timeout, what):
+    got = ep.cq.wait_blocking(timeout=timeout, max_n=256)
+    for c in got:
+        _check_wc(c, what)
+    return got
+
+
+def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int = DEFAULT_SIZE,
+                    iters: int | None = None, duration: float | None = None, qps: int = 1,
+                    port: int = bs.DEFAULT_PORT, tx_depth: int | None = None, mtu: int | None = None,
+                    progress: bool = False, timeout: float = 30.0) -> dict:
+    if size < 1:
+        raise PerfError("--size %d: must be at least 1 byte" % size)
+    if not 1 <= qps <= MAX_QPS:
+        raise PerfError("--qps %d: must be 1..%d" % (qps, MAX_QPS))
+    if iters is None and duration is None:
+        iters = 5000 if size <= 65536 else 1000
+    depth = tx_depth or max(1, min(128, MAX_INFLIGHT_BYTES // size // qps))
+    with Session(instance, ns, mtu) as s:
+        src = bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size]
+        s.mr = s.ep.reg_mr(src)
+        s.make_qps(qps)
+        s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
+                          hello={"cmd": "write-bw", "size": size, "qps": qps})
+        s.ch.send({"type": "qps", "qps": s.attrs()})
+        remote = s.ch.expect("qps", timeout)["qps"]
+        s.connect(remote)
+        s.ch.barrier("go", timeout)
+        prog = Progress(progress, "write-bw")
+        posted = done = 0
+        out = [0] * qps
+        window_bytes, windows = 0, []
+        t0 = tw = time.monotonic()
+        stop_at = t0 + duration if duration else None
+
+        def more():
+            if stop_at is not None:
+                return time.monotonic() < stop_at
+            return posted < iters
+        while True:
+            for i, q in enumerate(s.qps):
+                while out[i] < depth and more():
+                    r = remote[i]["mr"]
+                    q.post_write(posted, s.mr, 0, size, r["addr"], r["rkey"])
+                    posted += 1
+                    out[i] += 1
+            if done == posted and not more():
+                break
+            got = _drain(s.ep, timeout, "write-bw")
+            if not got:
+                raise PerfError("write-bw: no completion for %.0f s (%d of %d writes done): the peer or the "
+                                "fabric stopped" % (timeout, done, posted))
+            qidx = {q.qpn: i for i, q in enumerate(s.qps)}
+            for c in got:
+                out[qidx[c.qpn]] -= 1
+            done += len(got)
+            window_bytes += len(got) * size
+            now = time.monotonic()
+            if now - tw >= 0.1:
+                windows.append(window_bytes * 8 / (now - tw))
+                window_bytes, tw = 0, now
+            prog.tick(done * size)
+        el = time.monotonic() - t0
+        st = _summ_qp_stats(s.stats())
+        res = {"test": "write-bw", "bytes": size, "iterations": done, "qps": qps, "seconds": el,
+               "payload": s.ep.payload, "tx_depth": depth,
+               "bw_avg_bps": done * size * 8 / el if el > 0 else 0.0,
+               "bw_peak_bps": max(windows) if windows else done * size * 8 / max(el, 1e-9),
+               "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st}
+        s.ch.send({"type": "result", "result": res})
+        s.ch.barrier("done", timeout)
+        return res
+
+
+def _serve(instance, ns, port, bind, timeout, cmd):
+    lst = bs.Listener(port, bind=bind, ns=ns)
+    try:
+        ch = lst.accept(timeout=None if timeout is None else timeout)
+    finally:
+        lst.close()
+    if ch.hello.get("cmd") != cmd:
+        ch.send({"error": "this server runs %s, the client asked for %s" % (cmd, ch.hello.get("cmd"))})
+        ch.close()
+        raise PerfError("client %s asked for %s, this server runs %s" % (ch.peer, ch.hello.get("cmd"), cmd))
+    return ch
+
+
+def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
+                    bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
+                    timeout: float = 30.0) -> dict:
+    ch = _serve(instance, ns, port, bind, accept_timeout, "write-bw")
+    try:
+        size, qps = int(ch.hello.get("size", 0)), int(ch.hello.get("qps", 1))
+        if not (1 <= size <= 1 << 30 and 1 <= qps <= MAX_QPS):
+            ch.send({"error": "size %d / qps %d out of range (1..1 GiB, 1..%d)" % (size, qps, MAX_QPS)})
+            raise PerfError("client asked for size %d, qps %d: out of range" % (size, qps))
+        with Session(instance, ns, mtu) as s:
+            s.ch = ch
+            dst = bytearray(size)
+            s.mr = s.ep.reg_mr(dst)
+            s.make_qps(qps)
+            remote = ch.expect("qps", timeout)["qps"]
+            ch.send({"type": "qps", "qps": s.attrs()})
+            s.connect(remote)
+            ch.barrier("go", timeout)
+            res = ch.expect("result", 10 * 86400)["result"]
+            res["server_qp_stats"] = _summ_qp_stats(s.stats())
+            ch.barrier("done", timeout)
+            s.ch = None
+            return res
+    except BaseException:
+        with_suppress(ch.close)
+        raise
+    finally:
+        ch.close()
+
+
+def with_suppress(fn):
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+# ------------------------------------------------------------------ write-lat
+
+def _lat_loop(s, remote, size, iters, client: bool, timeout: float):
+    """Ping-pong of Write-with-Immediate: the client writes, the server answers when the
+    whole message has arrived (its RECV_RDMA_IMM completion), and back."""
+    q = s.qps[0]
+    r = remote[0]["mr"]
+    lat = []
+    warm = min(100, iters // 10)
+    ep = s.ep
+
+    def wait_recv():
+        while True:
+            for c in ep.cq.wait_blocking(timeout=timeout, max_n=16) or [None]:
+                if c is None:
+                    raise PerfError("write-lat: no message from the peer for %.0f s" % timeout)
+                _check_wc(c, "write-lat")
+                if c.opcode == _transport().WcOpcode.RECV_RDMA_IMM:
+                    return
+    for i in range(iters + warm):
+        if client:
+            t0 = time.perf_counter_ns()
+            q.post_write(i, s.mr, 0, size, r["addr"], r["rkey"], imm=i)
+            wait_recv()
+            if i >= warm:
+                lat.append((time.perf_counter_ns() - t0) / 1000.0)
+        else:
+            wait_recv()
+            q.post_write(i, s.mr, 0, size, r["addr"], r["rkey"], imm=i)
+    return lat
+
+
+def _lat_result(lat, size, payload) -> dict:
+    lat.sort()
+    n = len(lat)
+    half = [x / 2 for x in lat]           # perftest reports one way: half the round trip
+
+    def pct(v, p):
+        return v[min(n - 1, int(n * p))]
+    return {"test": "write-lat", "bytes": size, "iterations": n, "payload": payload,
+            "t_min_us": half[0], "p50_us": pct(half, 0.5), "p99_us": pct(half, 0.99),
+            "t_max_us": half[-1], "t_avg_us": sum(half) / n,
+            "rtt_p50_us": pct(lat, 0.5), "rtt_p99_us": pct(lat, 0.99)}
+
+
+def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int = 8,
+                     iters: int = 1000, port: int = bs.DEFAULT_PORT, mtu: int | None = None,
+                     timeout: float = 30.0) -> dict:
+    if size < 1 or iters < 1:
+        raise PerfError("--size and --iters must be at least 1")
+    with Session(instance, ns, mtu) as s:
+        s.mr = s.ep.reg_mr(bytearray(size))
+        s.make_qps(1)
+        s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
+                          hello={"cmd": "write-lat", "size": size, "iters": iters})
+        s.ch.send({"type": "qps", "qps": s.attrs()})
+        remote = s.ch.expect("qps", timeout)["qps"]
+        s.connect(remote)
+        s.ch.barrier("go", timeout)
+        lat = _lat_loop(s, remote, size, iters, True, timeout)
+        res = _lat_result(lat, size, s.ep.payload)
+        res["qp_stats"] = _summ_qp_stats(s.stats())
+        s.ch.send({"type": "result", "result": res})
+        s.ch.barrier("done", timeout)
+        return res
+
+
+def write_lat_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
+                     bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
+                     timeout: float = 30.0) -> dict:
+    ch = _serve(instance, ns, port, bind, accept_timeout, "write-lat")
+    try:
+        size, iters = int(ch.hello.get("size", 8)), int(ch.hello.get("iters", 1000))
+        if not (1 <= size <= 1 << 30 and 1 <= iters <= 10**8):
+            ch.send({"error": "size %d / iters %d out of range" % (size, iters)})
+            raise PerfError("client asked for size %d, iters %d: out of range" % (size, iters))
+        with Session(instance, ns, mtu) as s:
+            s.ch = ch
+            s.mr = s.ep.reg_mr(bytearray(size))
+            s.make_qps(1)
+            remote = ch.expect("qps", timeout)["qps"]
+            ch.send({"type": "qps", "qps": s.attrs()})
+            s.connect(remote)
+            ch.barrier("go", timeout)
+            _lat_loop(s, remote, size, iters, False, timeout)
+            res = ch.expect("result", timeout)["result"]
+            ch.barrier("done", timeout)
+            s.ch = None
+            return res
+    finally:
+        ch.close()
+
+
+# ------------------------------------------------------------------ send / recv
+
+def _close_map(m) -> None:
+    """Unmap now if nothing holds the mapping; else (the MR object still does) it is
+    unmapped when that goes.  MAP_SHARED writes are in the file either way."""
+    try:
+        m.close()
+    except BufferError:
+        pass
+
+
+def _sha256(buf) -> str:
+    return hashlib.sha256(buf).hexdigest()
+
+
+def send_file(path: str, peer: str, instance: str, ns: str | None = None,
+              port: int = bs.DEFAULT_PORT, mtu: int | None = None, progress: bool = False,
+              timeout: float = 30.0, chunk: int = CHUNK, depth: int = 8) -> dict:
+    """RDMA-Write a file into the receiver's memory-mapped copy; both sides hash it."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise PerfError("send: cannot read %s (%s)" % (path, e.strerror)) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        buf = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+        digest = _sha256(buf)
+        with Session(instance, ns, mtu) as s:
+            # the engine reads the mapping in place (a read-only MR: local access only)
+            t = _transport()
+            s.mr = s.ep.reg_mr(buf if size else bytearray(1), access=t.ACCESS_LOCAL)
+            s.make_qps(1)
+            s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
+                              hello={"cmd": "send", "name": os.path.basename(path), "size": size,
+                                     "sha256": digest})
+            s.ch.send({"type": "qps", "qps": s.attrs()})
+            remote = s.ch.expect("qps", timeout)["qps"]
+            s.connect(remote)
+            s.ch.barrier("go", timeout)
+            q, r = s.qps[0], remote[0]["mr"]
+            prog = Progress(progress, "send")
+            t0 = time.monotonic()
+            off = posted = done = 0
+            nchunks = (size + chunk - 1) // chunk
+            while done < nchunks:
+                while posted - done < depth and off < size:
+                    n = min(chunk, size - off)
+                    last = off + n >= size
+                    q.post_write(posted, s.mr, off, n, r["addr"] + off, r["rkey"],
+                                 imm=nchunks if last else None)
+                    off += n
+                    posted += 1
+                got = _drain(s.ep, timeout, "send")
+                if not got:
+                    raise PerfError("send: no completion for %.0f s (%d of %d chunks done): the receiver or "
+                                    "the fabric stopped" % (timeout, done, nchunks))
+                done += len(got)
+                prog.tick(min(size, done * chunk))
+            el = time.monotonic() - t0
+            st = _summ_qp_stats(s.stats())
+            s.ch.send({"type": "done", "sha256": digest, "seconds": el})
+            verdict = s.ch.expect("verdict", timeout)
+            s.ch.barrier("done", timeout)
+        if size:
+            _close_map(buf)
+    res = {"test": "send", "file": path, "bytes": size, "sha256": digest, "seconds": el,
+           "goodput_bps": size * 8 / el if el > 0 else 0.0, "receiver_sha256": verdict["sha256"],
+           "intact": verdict["sha256"] == digest, "saved_as": verdict.get("path"), "qp_stats": st}
+    if not res["intact"]:
+        raise PerfError("send: the receiver's copy has sha256 %s, the file %s: corrupted in transfer"
+                        % (verdict["sha256"], digest))
+    return res
+
+
+def recv_file(directory: str, instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
+              bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
+              timeout: float = 30.0) -> dict:
+    """Receive one file (send_file) into directory; the engine writes straight into the
+    memory-mapped file.  Verifies the sender's sha256."""
+    if not os.path.isdir(directory):
+        raise PerfError("recv: %s is not a directory" % directory)
+    ch = _serve(instance, ns, port, bind, accept_timeout, "send")
+    try:
+        name = os.path.basename(str(ch.hello.get("name") or "received"))
+        if name in ("", ".", ".."):
+            name = "received"
+        size = int(ch.hello.get("size", -1))
+        if size < 0:
+            ch.send({"error": "no file size given"})
+            raise PerfError("client sent no file size")
+        path = os.path.join(directory, name)
+        with open(path, "w+b") as f:
+            f.truncate(size)
+            buf = mmap.mmap(f.fileno(), size) if size else bytearray(1)
+            with Session(instance, ns, mtu) as s:
+                s.ch = ch
+                s.mr = s.ep.reg_mr(buf)
+                s.make_qps(1)
+                remote = ch.expect("qps", timeout)["qps"]
+                ch.send({"type": "qps", "qps": s.attrs()})
+                s.connect(remote)
+                ch.barrier("go", timeout)
+                fin = ch.expect("done", 10 * 86400)
+                st = _summ_qp_stats(s.stats())
+                digest = _sha256(buf[:size])
+                ch.send({"type": "verdict", "sha256": digest, "path": path})
+                ch.barrier("done", timeout)
+                s.ch = None
+                s.mr.dereg()
+            if size:
+                buf.flush()
+                _close_map(buf)
+        ok = digest == fin.get("sha256")
+        res = {"test": "recv", "file": path, "bytes": size, "sha256": digest,
+               "sender_sha256": fin.get("sha256"), "intact": ok, "seconds": fin.get("seconds"),
+               "qp_stats": st}
+        if not ok:
+            raise PerfError("recv: %s has sha256 %s, the sender's file %s: corrupted in transfer"
+                            % (path, digest, fin.get("sha256")))
+        return res
+    finally:
+        ch.close()
+
+
+# ------------------------------------------------------------------ CLI
+
+def _fmt_bw(r: dict) -> str:
+    line = "-" * 86
+    return "\n".join([
+        line,
+        " %-10s %-8s %-12s %-18s %-20s %-12s" % ("#bytes", "#QPs", "#iterations", "BW peak[Mb/sec]",
+                                                 "BW average[Mb/sec]", "MsgRate[Mpps]"),
+        " %-10d %-8d %-12d %-18.2f %-20.2f %-12.6f" % (r["bytes"], r["qps"], r["iterations"],
+                                                       r["bw_peak_bps"] / 1e6, r["bw_avg_bps"] / 1e6,
+                                                       r["msg_rate_mps"]),
+        line,
+        " payload %d B/packet; sent %d packets, retransmitted %d (timeout %d, SACK %d, NACK trim %d)" % (
+            r["payload"], r["qp_stats"]["tx_pkts"], r["qp_stats"]["rtx_pkts"], r["qp_stats"]["rtx_timeout"],
+            r["qp_stats"]["rtx_sack"], r["qp_stats"]["rtx_nack_trim"])])
+
+
+def _fmt_lat(r: dict) -> str:
+    line = "-" * 86
+    return "\n".join([
+        line,
+        " %-8s %-12s %-12s %-12s %-12s %-12s %-12s" % ("#bytes", "#iterations", "t_min[usec]", "t_p50[usec]",
+                                                        "t_p99[usec]", "t_max[usec]", "t_avg[usec]"),
+        " %-8d %-12d %-12.2f %-12.2f %-12.2f %-12.2f %-12.2f" % (
+            r["bytes"], r["iterations"], r["t_min_us"], r["p50_us"], r["p99_us"], r["t_max_us"], r["t_avg_us"]),
+        line,
+        " one-way latency = half the round trip (as ib_write_lat); round trip p50 %.2f us, p99 %.2f us"
+        % (r["rtt_p50_us"], r["rtt_p99_us"])])
+
+
+def _emit(args, res, fmt):
+    import json
+    if args.json:
+        print(json.dumps(res, separators=(",", ":")))
+    else:
+        print(fmt(res))
+
+
+def _common(p, server_ok=True):
+    p.add_argument("-i", "--instance", default="default", help="the loaded datapath instance")
+    p.add_argument("--netns", default=None, help="network namespace (default: the instance's)")
+    p.add_argument("--port", type=int, default=bs.DEFAULT_PORT, help="bootstrap TCP port (18515)")
+    if server_ok:
+        p.add_argument("--bind", default="::", help="server: address to listen on (default: all)")
+    p.add_argument("--mtu", type=int, default=None, help="payload bytes per packet (default: the largest mrc0 allows)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds without progress before giving up")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+
+
+def _ns_of(args):
+    if args.netns is not None:
+        return args.netns
+    from .maps import Instance
+    with Instance(args.instance) as inst:
+        return inst.state.get("netns")
+
+
+def cmd_write_bw(args):
+    ns = _ns_of(args)
+    if args.iters is not None and args.duration is not None:
+        raise PerfError("give --iters or --duration, not both")
+    if args.peer:
+        res = write_bw_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
+                              duration=args.duration, qps=args.qps, port=args.port, tx_depth=args.tx_depth,
+                              mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout)
+    else:
+        res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu, timeout=args.timeout)
+    _emit(args, res, _fmt_bw)
+
+
+def cmd_write_lat(args):
+    ns = _ns_of(args)
+    if args.peer:
+        res = write_lat_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
+                               port=args.port, mtu=args.mtu, timeout=args.timeout)
+    else:
+        res = write_lat_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu, timeout=args.timeout)
+    _emit(args, res, _fmt_lat)
+
+
+def cmd_send(args):
+    res = send_file(args.file, args.peer, args.instance, _ns_of(args), port=args.port, mtu=args.mtu,
+                    progress=not args.json, timeout=args.timeout)
+    _emit(args, res, lambda r: "sent %s: %d bytes in %.3f s (%.1f Mbit/s), sha256 %s, receiver's copy "
+          "intact (%s); retransmitted %d packets" % (r["file"], r["bytes"], r["seconds"], r["goodput_bps"] / 1e6,
+                                                     r["sha256"], r["saved_as"], r["qp_stats"]["rtx_pkts"]))
+
+
+def cmd_recv(args):
+    res = recv_file(args.dir, args.instance, _ns_of(args), port=args.port, bind=args.bind, mtu=args.mtu,
+                    timeout=args.timeout)
+    _emit(args, res, lambda r: "received %s: %d bytes, sha256 %s, matches the sender's" % (
+        r["file"], r["bytes"], r["sha256"]))
+
+
+def _guard(fn):
+    def run(args):
+        from .maps import NotLoaded
+        from .conns import ConnError
+        t = _transport()
+        try:
+            return fn(args)
+        except (PerfError, bs.BootstrapError, t.TransportError, ConnError, NotLoaded) as e:
+            print("mrc-xdp %s: %s" % (args.cmd, e), file=sys.stderr)
+            raise SystemExit(1)
+    return run
+
+
+def add_parsers(sub) -> None:
+    """Register write-bw, write-lat, send and recv on the CLI's subparsers."""
+    p = sub.add_parser("write-bw", help="RDMA Write bandwidth (ib_write_bw style): server without PEER, client with it")
+    p.add_argument("peer", nargs="?", metavar="PEER", help="the server's control address (client)")
+    p.add_argument("-s", "--size", type=int, default=DEFAULT_SIZE, help="bytes per write (65536)")
+    p.add_argument("-n", "--iters", type=int, default=None, help="writes to post (default 5000, 1000 above 64 KiB)")
+    p.add_argument("-D", "--duration", type=float, default=None, help="run for S seconds instead of --iters")
+    p.add_argument("-q", "--qps", type=int, default=1, help="QPs (writes spread round robin)")
+    p.add_argument("-t", "--tx-depth", type=int, default=None, help="outstanding writes per QP")
+    _common(p)
+    p.set_defaults(fn=_guard(cmd_write_bw))
+
+    p = sub.add_parser("write-lat", help="RDMA Write latency (ib_write_lat style): t_min, p50, p99, t_max")
+    p.add_argument("peer", nargs="?", metavar="PEER", help="the server's control address (client)")
+    p.add_argument("-s", "--size", type=int, default=8, help="bytes per write (8)")
+    p.add_argument("-n", "--iters", type=int, default=1000, help="round trips (1000)")
+    _common(p)
+    p.set_defaults(fn=_guard(cmd_write_lat))
+
+    p = sub.add_parser("send", help="RDMA-Write a file to a `recv` peer; both sides check its sha256")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("peer", metavar="PEER", help="the receiver's control address")
+    _common(p, server_ok=False)
+    p.set_defaults(fn=_guard(cmd_send))
+
+    p = sub.add_parser("recv", help="receive one file from `send` into DIR, verified by sha256")
+    p.add_argument("dir", metavar="DIR")
+    _common(p)
+    p.set_defaults(fn=_guard(cmd_recv))
