@@ -247,3 +247,34 @@ def test_down_ends_the_recorded_workers_and_only_them():
             x.wait()
         fabric.down(p)
     assert fabric.leftovers(p) == NOTHING
+
+
+@root
+def test_down_refuses_a_lab_another_live_up_is_building():
+    """While a `lab up` is still building (alive, record incomplete), `down` from another
+    process says so in one line instead of racing it; once it is gone, down cleans."""
+    p = base() + "-"
+    code = ("import time\n"
+            "from mrc_xdp.lab import fabric, topology\n"
+            "def hold(m):\n"
+            "    print(m, flush=True)\n"
+            "    if 'veth' in m: time.sleep(60)\n"
+            "fabric.up(topology.load(), prefix=%r, progress=hold)\n" % p)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        try:
+            for line in proc.stdout:
+                if "veth" in line:
+                    break
+            r = cli("down", "--prefix", p)
+            assert r.returncode == 1 and "still being built" in r.stderr, (r.stdout, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1
+            assert len(netns.list_names(p)) == 12
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert len(fabric.down(p)["netns"]) == 12
+    finally:
+        fabric.down(p)
+    assert fabric.leftovers(p) == NOTHING

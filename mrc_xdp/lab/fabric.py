@@ -363,6 +363,7 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         "topology": topo.to_dict(), "topology_source": topo.source,
         "nodes": nodes, "pin_dir": pin_dir(prefix), "state_file": state_path(prefix),
         "started": time.time(), "created": {k: [] for k in RECORD_KINDS},
+        "owner": worker_record(os.getpid()),      # the `lab up` building it
     }
     with _labs_lock():
         st = running(prefix)
@@ -374,6 +375,7 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
                            "could collide): pick another prefix, or `mrc-xdp lab down --prefix %s` first"
                            % (prefix, other[0], other[0]))
         if os.path.exists(state_path(prefix)):
+            _not_being_built(prefix)
             progress("cleaning up the leftovers of an earlier lab %r" % prefix)
             down(prefix)
         _check_free(topo, prefix, nodes)
@@ -511,6 +513,8 @@ def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dic
         st = None
     if st is not None and (not isinstance(st, dict) or st.get("prefix") != prefix):
         st = None
+    if st is not None:
+        _not_being_built(prefix, st)
     names = [n for n in (created(st, "netns") if st else [])
              if isinstance(n, str) and n.startswith(prefix) and n != prefix]
     insts = [i for i in (created(st, "instances") if st else [])
@@ -554,6 +558,23 @@ def down(prefix: str = DEFAULT_PREFIX, progress=_noop, unload_hosts=None) -> dic
         progress("  not touching %d namespace(s) matching %r that lab %r did not create: %s"
                  % (len(skipped), prefix, prefix, _owners(skipped, others)))
     return res
+
+
+def _not_being_built(prefix: str, st: dict | None = None) -> None:
+    """Refuse to touch a lab that another live `lab up` is still building."""
+    if st is None:
+        with contextlib.suppress(LabNotUp):
+            st = load_state(prefix)
+    own = (st or {}).get("owner") if isinstance(st, dict) else None
+    if not isinstance(own, dict) or (st or {}).get("complete"):
+        return
+    try:
+        pid = int(own["pid"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if pid != os.getpid() and own.get("start") is not None and _proc_start(pid) == own["start"]:
+        raise LabError("lab %r is still being built by `lab up` (pid %d): wait for it, or stop it "
+                       "(kill %d) and run `mrc-xdp lab down --prefix %s`" % (prefix, pid, pid, prefix))
 
 
 def _inside(path: str, root: str) -> bool:
