@@ -447,7 +447,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-hosts", action="store_true", help="fabric only: do not load the host datapaths")
     _set_handler(p, cmd_up)
 
-    p = common(sub.add_parser("down", help="remove everything of the lab (also after a crash)"))
+    p = common(sub.add_parser("down", help="remove what the lab recorded creating (also after a crash); "
+                                           "names what matches the prefix but is not its own"))
     _set_handler(p, cmd_down)
 
     p = common(sub.add_parser("status", help="nodes, links, per-link counters"))
