@@ -1,0 +1,122 @@
+"""Tier 2: the perftest-style commands through the real CLI on a live pair.
+
+`mrc-xdp write-bw`, `write-lat`, `send` and `recv` run as two processes (server in B's
+namespace, client in A's), bootstrap over TCP on the plane-0 veth (our XDP passes it),
+and move data with the transport engine over both planes.  The pair's datapaths list no
+connection: every QP's connection is added at connect and removed at the end.
+"""
+import filecmp
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from mrc_xdp import conns, loader, netns
+from mrc_xdp.config import HostConfig
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_XDP, netns)")
+
+CLI = [sys.executable, "-m", "mrc_xdp.cli"]
+A_ADDR, B_ADDR = "fd00:7a::a", "fd00:7a::b"
+A_CTL, B_CTL = "fd00:7a:1::a", "fd00:7a:1::b"
+MTU = 3506
+
+
+def _ip(ns, *a):
+    return netns.run_cmd(ns, ["ip"] + list(a))
+
+
+def _mac(ns, dev):
+    return json.loads(_ip(ns, "-j", "link", "show", dev).stdout)[0]["address"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tag = "%x%s" % (os.getpid() & 0xffff, uuid.uuid4().hex[:4])
+    a, b = "pfA-" + tag, "pfB-" + tag
+    made = []
+    try:
+        for n in (a, b):
+            netns.create(n)
+            made.append(n)
+            _ip(n, "link", "set", "lo", "up")
+            _ip(n, "link", "add", "mrc0", "mtu", str(MTU), "type", "veth", "peer", "name", "mrc0p", "mtu", str(MTU))
+        for p in ("p0", "p1"):
+            _ip(a, "link", "add", p, "mtu", str(MTU), "type", "veth", "peer", "name", p, "netns", b, "mtu", str(MTU))
+        for n in (a, b):
+            for d in ("mrc0", "mrc0p", "p0", "p1"):
+                _ip(n, "link", "set", d, "up")
+        _ip(a, "addr", "add", A_CTL + "/64", "dev", "p0", "nodad")
+        _ip(b, "addr", "add", B_CTL + "/64", "dev", "p0", "nodad")
+        for ns, inst, me, peer, other in ((a, a, A_ADDR, B_ADDR, b), (b, b, B_ADDR, A_ADDR, a)):
+            loader.load(HostConfig.from_dict({
+                "instance": inst, "mode": "ecmp", "local_addr": me,
+                "planes": [{"dev": "p%d" % i, "gateway_mac": _mac(other, "p%d" % i)} for i in range(2)]}),
+                netns_name=ns)
+        yield {"a": a, "b": b}
+    finally:
+        for n in made:
+            loader.unload(n, quiet_missing=True)
+            netns.delete(n)
+
+
+def run_pair(pair, server_args, client_args, timeout=120):
+    port = str(19000 + (os.getpid() + len(" ".join(client_args))) % 2000)
+    srv = subprocess.Popen(CLI + server_args + ["-i", pair["b"], "--bind", B_CTL, "--port", port, "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cl = subprocess.run(CLI + client_args + ["-i", pair["a"], "--port", port, "--json"],
+                            capture_output=True, text=True, timeout=timeout)
+        so, se = srv.communicate(timeout=30)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    assert cl.returncode == 0, cl.stderr
+    assert srv.returncode == 0, se
+    # nothing the QPs added stays in the datapaths
+    for n in (pair["a"], pair["b"]):
+        assert conns.list_(n) == []
+    return json.loads(cl.stdout.splitlines()[-1]), json.loads(so.splitlines()[-1])
+
+
+def test_write_bw(pair):
+    c, s = run_pair(pair, ["write-bw"], ["write-bw", B_CTL, "--size", "65536", "--iters", "300", "--qps", "2"])
+    assert c["iterations"] == 300 and c["qps"] == 2 and c["bytes"] == 65536
+    assert c["bw_avg_bps"] > 0 and c["bw_peak_bps"] > 0
+    assert c["qp_stats"]["tx_bytes"] >= 300 * 65536
+    # the server's QPs placed every byte (retransmitted duplicates are not placed twice)
+    assert s["server_qp_stats"]["rx_bytes"] == 300 * 65536
+    assert c["payload"] == MTU - 88 - (MTU - 88) % 64
+
+
+def test_write_lat(pair):
+    c, s = run_pair(pair, ["write-lat"], ["write-lat", B_CTL, "--size", "8", "--iters", "300"])
+    assert c["iterations"] == 300 and c["bytes"] == 8 and s["iterations"] == 300
+    assert 0 < c["t_min_us"] <= c["p50_us"] <= c["p99_us"] <= c["t_max_us"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 3 * 1024 * 1024 + 13])
+def test_send_recv(pair, tmp_path, size):
+    src = tmp_path / "blob.bin"
+    src.write_bytes(os.urandom(size))
+    out = tmp_path / "out"
+    out.mkdir()
+    c, s = run_pair(pair, ["recv", str(out)], ["send", str(src), B_CTL])
+    assert c["intact"] and s["intact"] and c["sha256"] == s["sha256"]
+    assert filecmp.cmp(src, out / "blob.bin", shallow=False)
+
+
+def test_errors_one_line(pair):
+    r = subprocess.run(CLI + ["write-bw", B_CTL, "-i", pair["a"], "--port", "1", "--timeout", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "start the server side first" in r.stderr
+    r = subprocess.run(CLI + ["write-lat", "-i", "no-such-instance-%s" % uuid.uuid4().hex[:6]],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not loaded" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(CLI + ["send", "/nonexistent/file", B_CTL, "-i", pair["a"]],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot read /nonexistent/file" in r.stderr
