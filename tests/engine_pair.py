@@ -19,6 +19,7 @@ from mrc_xdp import netns
 
 A_ADDR, B_ADDR = "fd00:78::a", "fd00:78::b"
 CONNS = [(0x2A0 + i, 0x2B0 + i) for i in range(4)]      # (A's QPN, B's QPN)
+SID_HOST = {"a": 0x0A00, "b": 0x0B00}                     # SRv6 mode: uSID of each host
 PLANE_IFINDEX = {"a": 3100, "b": 3200}                    # + plane number
 CLI = [sys.executable, "-m", "mrc_xdp.cli"]
 MTU = 3506        # the largest MTU veth accepts with a native XDP program here (measured, kernel 6.18)
@@ -40,16 +41,30 @@ def cli(*args, check=True):
     return r
 
 
-def host_toml(inst, local, peer, conns, gw_macs, mode="ecmp", extra=""):
-    planes = "".join('[[planes]]\ndev = "p%d"\ngateway_mac = "%s"\n\n' % (i, m) for i, m in enumerate(gw_macs))
+def host_toml(inst, local, peer, conns, gw_macs, mode="ecmp", extra="", me="a", them="b"):
+    """A host config.  SRv6 without switches: the one-uSID path to the peer is the peer's
+    own SID on each plane, fcbb:0:<plane><host>00:: (plane << 12 OR-ed in by spray)."""
+    planes = ""
+    for i, m in enumerate(gw_macs):
+        planes += '[[planes]]\ndev = "p%d"\ngateway_mac = "%s"\n' % (i, m)
+        if mode == "srv6":
+            planes += ('srv6_src = "fd00:5%d::%s"\nlocal_sid = "fcbb:0:%x::"\n'
+                       % (i, me, i << 12 | SID_HOST[me]))
+        planes += "\n"
+    tmpl = 'template = "peer"\n' if mode == "srv6" else ""
     cs = "".join('[[connections]]\npeer = "%s"\nlocal_qpn = %d\nremote_qpn = %d\nev_per_plane = 4\n'
-                 'backup_per_plane = 2\n\n' % (peer, lq, rq) for lq, rq in conns)
+                 'backup_per_plane = 2\n%s\n' % (peer, lq, rq, tmpl) for lq, rq in conns)
+    if mode == "srv6":
+        cs += ('[srv6_templates.peer]\nblock = "fcbb:0::"\nusids = [%d]\nt1_pos = -1\nplane_shift = 12\n'
+               't1_shift = 0\n' % SID_HOST[them])
     return 'instance = "%s"\nmode = "%s"\nlocal_addr = "%s"\n%s\n%s%s' % (inst, mode, local, extra, planes, cs)
 
 
 class Pair:
-    def __init__(self, tmp_dir: str, mtu: int = MTU, extra: str = ""):
-        """extra: top-level host config lines (e.g. "loss_thresh = 1000000")."""
+    def __init__(self, tmp_dir: str, mtu: int = MTU, extra: str = "", mode: str = "ecmp"):
+        """extra: top-level host config lines (e.g. "loss_thresh = 1000000").  mtu: the
+        plane veths'; mrc0 gets 40 bytes less in srv6 mode (room for the outer header)."""
+        self.mode = mode
         tag = "%x%s" % (os.getpid(), os.urandom(2).hex())
         self.a, self.b = "mrceA-" + tag, "mrceB-" + tag
         self.ia, self.ib = "teA-" + tag, "teB-" + tag
@@ -57,13 +72,14 @@ class Pair:
         self.tmp = tmp_dir
         self.mtu = mtu
         self.extra = extra
+        self.app_mtu = mtu - (40 if mode == "srv6" else 0)
 
     def up(self):
         for n in (self.a, self.b):
             netns.create(n)
         for n in (self.a, self.b):
             sh(n, "ip link set lo up; ip link add mrc0 mtu %d type veth peer name mrc0p mtu %d; "
-                  "ip link set mrc0 up; ip link set mrc0p up" % (self.mtu, self.mtu))
+                  "ip link set mrc0 up; ip link set mrc0p up" % (self.app_mtu, self.app_mtu))
         for k, p in enumerate(("p0", "p1")):
             # ifindexes unique across both namespaces: the link model keys its maps by them
             subprocess.run(["ip", "link", "add", p, "index", str(PLANE_IFINDEX["a"] + k), "netns", self.a,
@@ -74,10 +90,11 @@ class Pair:
         ta, tb = os.path.join(self.tmp, "a.toml"), os.path.join(self.tmp, "b.toml")
         with open(ta, "w") as f:
             f.write(host_toml(self.ia, A_ADDR, B_ADDR, CONNS, [mac_of(self.b, "p0"), mac_of(self.b, "p1")],
-                              extra=self.extra))
+                              mode=self.mode, extra=self.extra, me="a", them="b"))
         with open(tb, "w") as f:
             f.write(host_toml(self.ib, B_ADDR, A_ADDR, [(b, a) for a, b in CONNS],
-                              [mac_of(self.a, "p0"), mac_of(self.a, "p1")], extra=self.extra))
+                              [mac_of(self.a, "p0"), mac_of(self.a, "p1")], mode=self.mode,
+                              extra=self.extra, me="b", them="a"))
         self.ta, self.tb = ta, tb
         self.load("a")
         self.load("b")

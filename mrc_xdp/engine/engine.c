@@ -407,7 +407,7 @@ int mrc_eng_qp_create(struct mrc_eng *e, uint32_t qpn, uint32_t start_psn, uint3
 	q->win = e->o.window;
 	q->mask = q->win - 1;
 	q->tx = calloc(q->win, sizeof(*q->tx));
-	q->rtxq = calloc(q->win, sizeof(*q->rtxq));
+	q->rtxq = calloc(2 * q->win, sizeof(*q->rtxq));   /* PSNs to resend (stale ones skipped) */
 	q->rcv_bm = calloc(q->win / 64, sizeof(uint64_t));
 	q->msgs = calloc(q->win, sizeof(*q->msgs));
 	if (!q->tx || !q->rtxq || !q->rcv_bm || !q->msgs) {
@@ -955,10 +955,10 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 
 static void rtx_queue(struct qp *q, struct txp *t)
 {
-	if (t->queued)
+	if (t->queued || q->rtx_tail - q->rtx_head >= 2 * q->win)
 		return;
 	t->queued = 1;
-	q->rtxq[q->rtx_tail++ & q->mask] = t->psn;
+	q->rtxq[q->rtx_tail++ & (2 * q->win - 1)] = t->psn;
 }
 
 static void mark_lost(struct qp *q, struct txp *t)
@@ -1276,7 +1276,7 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 		struct txp *t;
 
 		if (q->rtx_head != q->rtx_tail) {
-			uint32_t psn = q->rtxq[q->rtx_head & q->mask];
+			uint32_t psn = q->rtxq[q->rtx_head & (2 * q->win - 1)];
 
 			t = &q->tx[psn & q->mask];
 			if (t->psn != psn || t->state != TXP_LOST) {
@@ -1359,11 +1359,13 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 			qp_error(e, q, MRC_WC_RETRY_EXC_ERR);
 			return;
 		}
-		/* everything in flight is presumed lost; retransmit selectively */
+		/* what was sent at least one RTO ago is presumed lost (always the oldest);
+		 * retransmit selectively */
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
-			if (t->psn == p && t->state == TXP_INFLIGHT) {
+			if (t->psn == p && t->state == TXP_INFLIGHT &&
+			    (p == q->snd_una || t->tx_ns + q->rto <= now)) {
 				mark_lost(q, t);
 				q->st.rtx_timeout++;
 			}
@@ -1448,7 +1450,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(dscp_trimmed, 12);
 	DEF(ack_every, 8);
 	DEF(ack_delay_us, 50);
-	DEF(rto_min_us, 2000);
+	DEF(rto_min_us, 10000);
 	DEF(rto_max_us, 500000);
 	DEF(retry_limit, 8);
 	DEF(loss_reorder, 32);

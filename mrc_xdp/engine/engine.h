@@ -71,7 +71,8 @@ struct mrc_eng_opts {
 	uint32_t dscp_trimmed;      /* the DSCP the fabric writes into trimmed frames (12) */
 	uint32_t ack_every;         /* SACK at least every N data packets (8) */
 	uint32_t ack_delay_us;      /* ... or this long after the first unacknowledged one (50) */
-	uint32_t rto_min_us;        /* RTO floor (2000) */
+	uint32_t rto_min_us;        /* RTO floor (10000: RACK and NACKs find losses first; a
+	                             * busy 2-core host can stall a thread for milliseconds) */
 	uint32_t rto_max_us;        /* RTO ceiling (500000) */
 	uint32_t retry_limit;       /* consecutive timeouts before the QP goes to error (8) */
 	uint32_t loss_reorder;      /* SACK holes this far below the newest SACKed PSN are lost (32) */
