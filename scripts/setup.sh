@@ -29,6 +29,7 @@ APT_PKGS=(
     python3-venv python3-dev python3-cffi gcc make   # venv, cffi (shared header, engine)
     python3-scapy python3-pyroute2 python3-pytest    # packets, netlink, tests
     iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
+    python3-rich python3-matplotlib tmux             # mrc-xdp top, bench_failover plot, top test
 )
 # Kernel headers for bcc: a host with a headers tree for its running kernel is left
 # alone; otherwise Debian's linux-headers-<arch> is merged by mrc_xdp.kheaders.
