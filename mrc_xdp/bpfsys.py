@@ -39,6 +39,10 @@ int bpf_map_delete_elem(int fd, const void *key);
 int bpf_map_get_next_key(int fd, const void *key, void *next_key);
 int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
 int libbpf_num_possible_cpus(void);
+int bpf_map_create(int map_type, const char *map_name, uint32_t key_size, uint32_t value_size,
+                   uint32_t max_entries, const void *opts);
+int bpf_prog_get_next_id(uint32_t start_id, uint32_t *next_id);
+int bpf_map_get_next_id(uint32_t start_id, uint32_t *next_id);
 struct xdp_md_ctx { uint32_t data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex; };
 struct mrc_map_info {
     uint32_t type; uint32_t id; uint32_t key_size; uint32_t value_size;
@@ -126,6 +130,31 @@ def obj_pin(fd: int, path: str) -> None:
 
 def obj_get(path: str) -> int:
     return _check(lib.bpf_obj_get(path.encode()), "open pin %s" % path)
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str = "") -> int:
+    """A new map (an fd; close it yourself)."""
+    return _check(lib.bpf_map_create(map_type, name.encode() if name else ffi.NULL, key_size, value_size,
+                                     max_entries, ffi.NULL), "map create")
+
+
+def _ids(next_fn) -> set[int]:
+    out, cur = set(), ffi.new("uint32_t *")
+    start = 0
+    while next_fn(start, cur) == 0:
+        start = cur[0]
+        out.add(start)
+    return out
+
+
+def prog_ids() -> set[int]:
+    """The id of every BPF program in the kernel now (BPF_PROG_GET_NEXT_ID)."""
+    return _ids(lib.bpf_prog_get_next_id)
+
+
+def map_ids() -> set[int]:
+    """The id of every BPF map in the kernel now (BPF_MAP_GET_NEXT_ID)."""
+    return _ids(lib.bpf_map_get_next_id)
 
 
 def map_info(fd: int):

@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass, field
 
 from .shared import const
+from . import names
 from . import validate as V
 from .validate import int_in, keyname, no_unknown_keys, read_toml
 
@@ -213,8 +214,8 @@ class HostConfig:
             raise ConfigError("planes: at least one [[planes]] entry is required")
         cfg = cls(local_addr=_ipv6(d["local_addr"], "local_addr", unicast=True), planes=[])
         cfg.instance = _str(d.get("instance", "default"), "instance")
-        if not _NAME.fullmatch(cfg.instance):
-            raise ConfigError("instance: %s must be 1-32 of [A-Za-z0-9_.-]" % V.show(cfg.instance))
+        if not names.is_valid(cfg.instance):   # the one rule of mrc_xdp/names.py
+            raise ConfigError("instance: %s must be %s" % (V.show(cfg.instance), names.RULE))
         cfg.mode = V.choice(d.get("mode", "ecmp"), "mode", ("ecmp", "srv6"), ConfigError)
         cfg.app_dev = _dev(d.get("app_dev", "mrc0"), "app_dev")
         cfg.fabric_dev = _dev(d.get("fabric_dev", "mrc0p"), "fabric_dev")

@@ -7,10 +7,24 @@ so the datapath outlives the loading process and any process can read it.
 ``unload(instance)`` detaches exactly our programs, deletes every entry of a pinned
 prog array (e.g. the lab link model's mrc_lnext) that tail-calls one of them, and
 removes the pins and state.
+
+Instance names follow one rule (names.py) and every path under the pin root and the
+state directory is checked to resolve inside it: nothing outside
+/sys/fs/bpf/mrc/<instance>/ and /run/mrc-xdp/<instance>.* is ever written or removed.
+Load and unload of one instance hold its lock (flock on /run/mrc-xdp/<instance>.lock)
+from the "already loaded" check to the last state write, so a second load of the same
+instance fails at once with one line (or waits, ``wait=`` seconds).  A load that fails
+removes only what it made itself: pins whose object id is the one it pinned, its own
+state file, the directory it created.  The loading process keeps nothing: the bcc
+object and every fd are released before load() returns, so the unloaded programs leave
+the kernel as soon as unload() has removed pins and attachments.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -18,7 +32,8 @@ import time
 
 from . import bpfsys, netns
 from .config import HostConfig
-from .maps import DATAPATH_MAPS, PIN_ROOT, DevInfo, pin_dir, state_path, write_all
+from .maps import DATAPATH_MAPS, PIN_ROOT, STATE_DIR, DevInfo, lock_path, pin_dir, state_path, write_all
+from .names import BadName, is_valid
 from .shared import CONSTS, MAP_NAMES
 
 PROGS = {"spray": MAP_NAMES["MRC_PROG_SPRAY"], "ingress": MAP_NAMES["MRC_PROG_INGRESS"],
@@ -38,6 +53,77 @@ class LoadError(RuntimeError):
 
 class AlreadyLoaded(LoadError):
     pass
+
+
+class Busy(LoadError):
+    """Another process holds the instance's lock (it is loading or unloading it)."""
+
+
+def _paths(instance: str) -> tuple[str, str]:
+    """(pin dir, state file) of instance; LoadError when the name breaks the rule or a
+    path would resolve outside the pin root or the state directory."""
+    try:
+        return pin_dir(instance), state_path(instance)
+    except BadName as e:
+        raise LoadError(str(e)) from None
+
+
+def _lock_holder(fd: int) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        pid, doing = os.pread(fd, 64, 0).decode().split()[:2]
+        return "%s by pid %d" % (doing, int(pid))
+    return "loaded or unloaded by another process"
+
+
+@contextlib.contextmanager
+def instance_lock(instance: str, doing: str = "loaded", wait: float = 0.0):
+    """Hold instance's lock: flock(LOCK_EX) on /run/mrc-xdp/<instance>.lock, which holds
+    "<pid> <doing>" for whoever finds it taken.  wait: seconds to wait for it (0: fail at
+    once); then Busy, one line naming the holder.  The file is removed on release (a
+    waiter that then locks the removed file notices it and takes the new one)."""
+    try:
+        path = lock_path(instance)
+    except BadName as e:
+        raise LoadError(str(e)) from None
+    try:
+        os.makedirs(STATE_DIR, exist_ok=True)
+    except OSError as e:
+        raise LoadError("cannot create %s: %s" % (STATE_DIR, e.strerror)) from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise LoadError("cannot open the lock file %s: %s" % (path, e.strerror)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                raise Busy("instance %r is being %s — wait for it to finish, then retry"
+                           % (instance, holder)) from None
+            time.sleep(0.1)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            cur = os.stat(path, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (cur.st_dev, cur.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)         # the holder removed this file as we waited: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, ("%d %s\n" % (os.getpid(), doing)).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def require_root() -> None:
@@ -130,6 +216,12 @@ def _devinfo(cfg: HostConfig, force: bool) -> tuple[DevInfo, dict]:
     return dev, {n: lk["index"] for n, lk in names.items()}
 
 
+def _trim_heap() -> None:
+    """Give freed compiler memory back to the system (glibc keeps it otherwise)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 class Datapath:
     """A compiled datapath: the bcc object, program fds and maps (by name)."""
 
@@ -142,6 +234,19 @@ class Datapath:
     def fd(self, prog: str) -> int:
         return self.fns[prog].fd
 
+    def close(self) -> None:
+        """Release the bcc object: program fds, map fds, the compiled module.  Pinned and
+        attached objects live on; the rest leaves the kernel.  bcc registers cleanup()
+        with atexit, which would keep every BPF object of the process alive until exit."""
+        bpf, self.bpf = self.bpf, None
+        self.fns, self.maps = {}, {}
+        if bpf is None:
+            return
+        atexit.unregister(bpf.cleanup)
+        bpf.cleanup()
+        bpf.tables.clear()
+        _trim_heap()
+
     def configure(self, cfg: HostConfig, dev: DevInfo) -> None:
         write_all(self.maps, cfg, dev, icrc_rows())
 
@@ -149,9 +254,15 @@ class Datapath:
 def build() -> Datapath:
     """Compile and load (not attach) the datapath programs; ~2 s."""
     from .bpfsrc import compile_bpf
+    bpf = None
     try:
-        return Datapath(compile_bpf("mrc_datapath.c"))
+        bpf = compile_bpf("mrc_datapath.c")
+        return Datapath(bpf)
     except Exception as e:  # bcc raises bare Exception with the verifier log printed above
+        if bpf is not None:
+            atexit.unregister(bpf.cleanup)
+            with contextlib.suppress(Exception):
+                bpf.cleanup()
         raise LoadError("BPF compile/load failed: %s (the compiler or verifier output above says "
                         "why; missing kernel headers: run `make setup`)" % e) from e
 
@@ -222,8 +333,8 @@ def _detach_ids(ids: set[int]) -> list[str]:
 
 def _write_state(state: dict) -> None:
     """Write /run/mrc-xdp/<instance>.json atomically (a crash leaves the old or the new)."""
-    path = state_path(state["instance"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(STATE_DIR, exist_ok=True)
+    path = _paths(state["instance"])[1]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1)
@@ -248,10 +359,12 @@ def _pinned_prog_arrays() -> list[str]:
         return out
     for d in dirs:
         full = os.path.join(PIN_ROOT, d)
-        if not os.path.isdir(full):
-            continue
+        if not is_valid(d) or os.path.islink(full) or not os.path.isdir(full):
+            continue          # only real directories of the pin root, never a link out of it
         for name in sorted(os.listdir(full)):
             path = os.path.join(full, name)
+            if os.path.islink(path):
+                continue
             try:
                 fd = bpfsys.obj_get(path)
             except OSError:
@@ -280,23 +393,83 @@ def unchain(prog_ids: set[int]) -> list[str]:
     return removed
 
 
+def _ensure_pin_root() -> None:
+    """/sys/fs/bpf/mrc exists (a real directory) before anything is pinned under it."""
+    os.makedirs(PIN_ROOT, mode=0o755, exist_ok=True)
+    if os.path.islink(PIN_ROOT) or not os.path.isdir(PIN_ROOT):
+        raise LoadError("%s is not a directory: remove it (mrc-xdp pins only under it)" % PIN_ROOT)
+
+
+class _Made:
+    """What one load created, so that a failed load removes exactly that (by object id)."""
+
+    def __init__(self, instance: str):
+        self.instance = instance
+        self.pins: list[tuple[str, str, int]] = []    # (path, "map"|"prog", object id)
+        self.pdir = None
+        self.root = False
+        self.state_ids: dict | None = None
+
+    def undo(self, netns_name: str | None) -> None:
+        prog_ids = set((self.state_ids or {}).values())
+        with contextlib.suppress(Exception), _in(netns_name):
+            _detach_ids(prog_ids)
+        for path, kind, oid in reversed(self.pins):
+            with contextlib.suppress(OSError):
+                fd = bpfsys.obj_get(path)
+                try:
+                    cur = (bpfsys.prog_info if kind == "prog" else bpfsys.map_info)(fd).id
+                finally:
+                    os.close(fd)
+                if cur == oid:
+                    os.unlink(path)
+        for d in (self.pdir, PIN_ROOT if self.root else None):
+            if d:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)          # only when empty: never someone else's pins
+        if self.state_ids is not None:
+            spath = state_path(self.instance)
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                with open(spath) as f:
+                    if json.load(f).get("prog_ids") == self.state_ids:
+                        os.unlink(spath)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spath + ".tmp")
+
+
 def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
-         xdp_mode: str = "auto", config_path: str | None = None, progress=None) -> dict:
-    """Load the datapath for cfg; returns the state written to /run/mrc-xdp/<instance>.json."""
-    say = progress or (lambda s: None)
+         xdp_mode: str = "auto", config_path: str | None = None, progress=None,
+         wait: float = 0.0) -> dict:
+    """Load the datapath for cfg; returns the state written to /run/mrc-xdp/<instance>.json.
+
+    The instance's lock is held throughout: when another process is loading or unloading
+    the same instance, Busy (wait: seconds to wait for it first)."""
     require_root()
-    pdir = pin_dir(cfg.instance)
-    if os.path.exists(pdir) or os.path.exists(state_path(cfg.instance)):
+    _paths(cfg.instance)
+    with instance_lock(cfg.instance, "loaded", wait):
+        return _load_locked(cfg, netns_name, force, xdp_mode, config_path, progress or (lambda s: None))
+
+
+def _load_locked(cfg, netns_name, force, xdp_mode, config_path, say) -> dict:
+    pdir, spath = _paths(cfg.instance)
+    if os.path.lexists(pdir) or os.path.lexists(spath):
         if not force:
             raise AlreadyLoaded("instance %r is already loaded (or a load of it was interrupted) — "
                                 "`mrc-xdp unload --instance %s` first, or pass --force to replace it"
                                 % (cfg.instance, cfg.instance))
-        unload(cfg.instance)
+        _unload_locked(cfg.instance)
     t0 = time.monotonic()
     with _in(netns_name):
         dev, ifindexes = _devinfo(cfg, force)
     say("compiling datapath (bcc)")
     dp = build()
+    try:
+        return _install(dp, cfg, dev, ifindexes, netns_name, force, xdp_mode, config_path, say, t0)
+    finally:
+        dp.close()       # pins and attachments hold what must live on
+
+
+def _install(dp, cfg, dev, ifindexes, netns_name, force, xdp_mode, config_path, say, t0) -> dict:
     say("writing maps: %d connections, %d planes" % (len(cfg.connections), len(cfg.planes)))
     with _in(netns_name):   # devmap entries name ifindexes of the caller's netns
         dp.configure(cfg, dev)
@@ -320,13 +493,23 @@ def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
         "config_path": config_path,
         "complete": False,
     }
+    made = _Made(cfg.instance)
     try:
+        made.root = not os.path.lexists(PIN_ROOT)
+        _ensure_pin_root()
+        pdir, _ = _paths(cfg.instance)       # checked again now that the root exists
+        made.state_ids = prog_ids
         _write_state(state)
-        os.makedirs(pdir, exist_ok=True)
+        os.mkdir(pdir, 0o755)
+        made.pdir = pdir
         for name, mp in dp.maps.items():
-            bpfsys.obj_pin(mp.fd, os.path.join(pdir, name))
+            path = os.path.join(pdir, name)
+            bpfsys.obj_pin(mp.fd, path)
+            made.pins.append((path, "map", bpfsys.map_info(mp.fd).id))
         for key, fn in dp.fns.items():
-            bpfsys.obj_pin(fn.fd, os.path.join(pdir, "prog_" + key))
+            path = os.path.join(pdir, "prog_" + key)
+            bpfsys.obj_pin(fn.fd, path)
+            made.pins.append((path, "prog", prog_ids[key]))
         attached = state["xdp_modes"]
         with _in(netns_name):
             if force:
@@ -341,53 +524,60 @@ def load(cfg: HostConfig, netns_name: str | None = None, force: bool = False,
         state.update(complete=True, loaded_at=time.time(), load_seconds=round(time.monotonic() - t0, 3))
         _write_state(state)
     except BaseException:
-        with contextlib.suppress(Exception):
-            with _in(netns_name):
-                _detach_ids(set(prog_ids.values()))
-        shutil.rmtree(pdir, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(state_path(cfg.instance))
+        made.undo(netns_name)
         raise
     return state
 
 
-def unload(instance: str, quiet_missing: bool = False) -> dict:
+def unload(instance: str, quiet_missing: bool = False, wait: float = 60.0) -> dict:
     """Detach our programs, remove pins and state. Returns what was removed.
 
     Works from whatever a crash left: the program ids come from the state file and from
-    the pinned programs, and any device holding one of them is detached."""
+    the pinned programs, and any device holding one of them is detached.  Holds the
+    instance's lock (waits up to wait seconds for a load of it in progress)."""
     require_root()
-    pdir = pin_dir(instance)
-    spath = state_path(instance)
-    if not os.path.exists(pdir) and not os.path.exists(spath):
+    _paths(instance)
+    with instance_lock(instance, "unloaded", wait):
+        return _unload_locked(instance, quiet_missing)
+
+
+def _unload_locked(instance: str, quiet_missing: bool = False) -> dict:
+    pdir, spath = _paths(instance)
+    if not os.path.lexists(pdir) and not os.path.lexists(spath):
         if quiet_missing:
             return {"instance": instance, "detached": [], "unchained": [], "pins": False}
         raise LoadError("instance %r is not loaded (nothing to unload)" % instance)
     try:
         with open(spath) as f:
             state = json.load(f)
-    except (FileNotFoundError, ValueError):
+        if not isinstance(state, dict):
+            state = {}
+    except (OSError, ValueError):
         state = {}
-    ids = set((state.get("prog_ids") or {}).values())
+    ids = set(v for v in (state.get("prog_ids") or {}).values() if isinstance(v, int))
     for key in PROGS:   # the pinned programs name our ids even without a state file
         with contextlib.suppress(OSError):
             fd = bpfsys.obj_get(os.path.join(pdir, "prog_" + key))
-            ids.add(bpfsys.prog_info(fd).id)
-            os.close(fd)
+            try:
+                ids.add(bpfsys.prog_info(fd).id)
+            finally:
+                os.close(fd)
     unchained = unchain(ids)
     detached = []
     # every device of the recorded netns; without a state file naming it, the current
     # netns and every named one (program ids are global: only ours match)
-    spaces = [state["netns"]] if "netns" in state else [None] + netns.list_names()
+    recorded = isinstance(state.get("netns"), str) or ("netns" in state and state["netns"] is None)
+    spaces = [state["netns"]] if recorded else [None] + netns.list_names()
     for ns in spaces:
-        if ns is not None and not netns.exists(ns):
-            continue
-        with contextlib.suppress(Exception), _in(ns):
-            detached += [d if ns is None or "netns" in state else "%s:%s" % (ns, d) for d in _detach_ids(ids)]
-    shutil.rmtree(pdir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            if ns is not None and not netns.exists(ns):
+                continue
+            with _in(ns):
+                detached += [d if ns is None or recorded else "%s:%s" % (ns, d) for d in _detach_ids(ids)]
+    shutil.rmtree(pdir, ignore_errors=True)    # a checked real directory: rmtree follows no link
     for f in (spath, spath + ".tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f)
     with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(pdir))   # /sys/fs/bpf/mrc when it is empty
+        os.rmdir(PIN_ROOT)   # /sys/fs/bpf/mrc when it is empty
     return {"instance": instance, "detached": detached, "unchained": unchained, "pins": True}

@@ -13,6 +13,7 @@ import random
 import time
 
 from . import bpfsys
+from .names import BadName, check_instance, confined, is_valid
 from .config import HostConfig
 from .shared import (Ctr, EvReason, EvState, EV_CTR_FIELDS, MAP_NAMES, as_dict, const, ffi,
                      sizeof, to_bytes)
@@ -31,18 +32,32 @@ class NotLoaded(RuntimeError):
     pass
 
 
+class BadInstanceName(NotLoaded, BadName):
+    """An instance name off the rule (names.py), or one whose pins would resolve outside
+    the pin root: such an instance cannot be loaded, so it is not."""
+
+
 def pin_dir(instance: str) -> str:
-    return os.path.join(PIN_ROOT, instance)
+    """/sys/fs/bpf/mrc/<instance>; names.BadName for a name off the rule or a path that
+    resolves anywhere else."""
+    return confined(PIN_ROOT, check_instance(instance))
 
 
 def state_path(instance: str) -> str:
-    return os.path.join(STATE_DIR, instance + ".json")
+    return confined(STATE_DIR, check_instance(instance) + ".json")
+
+
+def lock_path(instance: str) -> str:
+    """The per-instance lock file, taken by load and unload (loader.instance_lock)."""
+    return confined(STATE_DIR, check_instance(instance) + ".lock")
 
 
 def instances() -> list[str]:
+    """Every loaded instance: a directory of the pin root, named by the rule, with mrc_cfg."""
     try:
         return sorted(d for d in os.listdir(PIN_ROOT)
-                      if os.path.exists(os.path.join(PIN_ROOT, d, MAP_NAMES["MRC_MAP_CFG"])))
+                      if is_valid(d) and not os.path.islink(os.path.join(PIN_ROOT, d))
+                      and os.path.exists(os.path.join(PIN_ROOT, d, MAP_NAMES["MRC_MAP_CFG"])))
     except FileNotFoundError:
         return []
 
@@ -204,8 +219,11 @@ class Instance:
     """A loaded datapath, through its pins. Usable from any process."""
 
     def __init__(self, name: str = "default"):
+        try:
+            self.dir = pin_dir(name)
+        except BadName as e:
+            raise BadInstanceName(str(e)) from None
         self.name = name
-        self.dir = pin_dir(name)
         if not os.path.exists(os.path.join(self.dir, "mrc_cfg")):
             raise NotLoaded("instance %r is not loaded: run `mrc-xdp load` first%s" % (
                 name, " (loaded: %s)" % ", ".join(instances()) if instances() else ""))
