@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -57,6 +58,17 @@ def _hex(v):
     return "%#010x" % v
 
 
+MAX_SECONDS = 86400.0
+
+
+def _seconds(opt: str, v, what: str):
+    """A command-line duration: finite, > 0 and at most a day (inf, nan, <= 0: one line)."""
+    if v is not None and not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
+        raise CliError("%s %g: %s must be a number of seconds > 0 and at most %d"
+                       % (opt, v, what, MAX_SECONDS))
+    return v
+
+
 # ---------------------------------------------------------------- load / unload / status
 
 def cmd_load(args):
@@ -66,6 +78,12 @@ def cmd_load(args):
 
     if not args.config:
         raise CliError("load needs --config FILE (see `mrc-xdp load --help` for the format)")
+    if args.netns is not None:
+        from . import netns
+        try:
+            netns.check_name(args.netns)
+        except netns.NetnsError as e:
+            raise CliError("--netns: %s" % e.strerror) from None
     cfg = HostConfig.from_toml(args.config, {"instance": args.instance, "mode": args.mode})
     say = (lambda s: print("load: " + s, file=sys.stderr)) if not args.json else None
     st = loader.load(cfg, netns_name=args.netns, force=args.force, xdp_mode=args.xdp_mode,
@@ -92,6 +110,94 @@ def cmd_unload(args):
 def _open(args):
     from .maps import Instance
     return Instance(args.instance)
+
+
+def _pinned_map_id(instance: str, name: str):
+    """The id of the map pinned as <instance>/<name>, None when it is not pinned."""
+    from . import bpfsys
+    from .maps import pin_dir
+    try:
+        fd = bpfsys.obj_get(os.path.join(pin_dir(instance), name))
+    except OSError:
+        return None
+    try:
+        return bpfsys.map_info(fd).id
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _load_complete(instance: str) -> bool:
+    from .maps import state_path
+    try:
+        with open(state_path(instance)) as f:
+            return json.load(f).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _Watch:
+    """The instance a watcher (stats --watch, events --follow) reads, through the map it
+    holds open.  An open map outlives its pin: after an unload the watcher would read
+    frozen counters, after a reload the old instance's.  check() compares the held map's
+    id with the pinned one; when they differ the watcher stops with one line, or, with
+    --wait-reload, waits until the instance is loaded (completely) again and reopens it."""
+
+    POLL = 0.5      # seconds between pin checks while sleeping or waiting
+
+    def __init__(self, args, map_name: str):
+        self.args, self.map_name = args, map_name
+        self.inst = None
+        self._open()
+
+    def _open(self):
+        from . import bpfsys
+        self.inst = _open(self.args)
+        self.map = self.inst.map(self.map_name)
+        self.held = bpfsys.map_info(self.map.fd).id
+
+    def close(self):
+        if self.inst is not None:
+            self.inst.close()
+            self.inst = None
+
+    def check(self) -> bool:
+        """True: the held maps are the pinned ones.  False: they were replaced and the new
+        instance is open now (only with --wait-reload; without it, CliError)."""
+        name = self.args.instance
+        now = _pinned_map_id(name, self.map_name)
+        if now == self.held:
+            return True
+        what = "unloaded (its pins are gone)" if now is None else "reloaded (its maps were replaced)"
+        if not self.args.wait_reload:
+            raise CliError("instance %r was %s: stopped watching (--wait-reload follows reloads)" % (name, what))
+        self.close()
+        if now is None or not _load_complete(name):
+            print("mrc-xdp: instance %r was %s: waiting for it to be loaded again" % (name, what),
+                  file=sys.stderr, flush=True)
+        from .maps import NotLoaded
+        while True:
+            if _pinned_map_id(name, self.map_name) is not None and _load_complete(name):
+                try:
+                    self._open()
+                    break
+                except (NotLoaded, OSError):   # unloaded again in between
+                    self.close()
+            time.sleep(self.POLL)
+        print("mrc-xdp: instance %r is loaded again: watching its new maps" % name, file=sys.stderr, flush=True)
+        return False
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep, checking the pins every POLL s; False when the instance was replaced."""
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return self.check()
+            time.sleep(min(left, self.POLL))
+            if not self.check():
+                return False
 
 
 def cmd_status(args):
@@ -232,22 +338,28 @@ def _stats_text(s, all_counters=False):
 
 
 def cmd_stats(args):
-    if args.watch is not None and not args.watch > 0:
-        raise CliError("--watch %g: the refresh interval must be a number of seconds > 0" % args.watch)
+    _seconds("--watch", args.watch, "the refresh interval")
     if args.count is not None and args.count < 1:
         raise CliError("--count %d: must be at least 1" % args.count)
-    with _open(args) as inst:
-        if not args.watch:
+    if not args.watch:
+        with _open(args) as inst:
             s = _stats_obj(inst, None, _snapshot(inst))
             _out(args, s, lambda o: _stats_text(o, args.all))
-            return
-        prev = _snapshot(inst)
+        return
+    w = _Watch(args, "mrc_stats")
+    try:
+        prev = _snapshot(w.inst)
         n = 0
         try:
             while args.count is None or n < args.count:
-                time.sleep(args.watch)
-                cur = _snapshot(inst)
-                s = _stats_obj(inst, prev, cur)
+                if not w.sleep(args.watch):
+                    prev = _snapshot(w.inst)
+                    continue
+                cur = _snapshot(w.inst)
+                if not w.check():       # unloaded or replaced while reading: not printed
+                    prev = _snapshot(w.inst)
+                    continue
+                s = _stats_obj(w.inst, prev, cur)
                 if args.json:
                     print(json.dumps(s, default=str), flush=True)
                 else:
@@ -259,6 +371,8 @@ def cmd_stats(args):
                 n += 1
         except KeyboardInterrupt:
             pass
+    finally:
+        w.close()
 
 
 # ---------------------------------------------------------------- events
@@ -267,9 +381,11 @@ def cmd_events(args):
     from . import bpfsys
     from .shared import EvReason, EvState, ffi
 
-    with _open(args) as inst:
-        mp = inst.map("mrc_events")
-
+    _seconds("--seconds", args.seconds, "the time to follow")
+    if not args.follow:
+        args.wait_reload = False
+    w = _Watch(args, "mrc_events")
+    try:
         def show(raw):
             e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
             d = {"ts_ns": e.ts_ns, "conn": e.conn, "ev": e.ev, "slot": e.slot, "plane": e.plane,
@@ -282,8 +398,9 @@ def cmd_events(args):
                 print("%.6f conn %d plane %d EV %#010x %s -> %s: %s%s" % (
                     e.ts_ns / 1e9, e.conn, e.plane, e.ev, d["old"], d["new"], d["reason"], extra), flush=True)
 
-        rb = bpfsys.RingReader(mp.fd, show)
+        rb = bpfsys.RingReader(w.map.fd, show)
         deadline = time.monotonic() + args.seconds if args.seconds else None
+        checked = time.monotonic()
         try:
             while True:
                 rb.poll(100)
@@ -291,16 +408,24 @@ def cmd_events(args):
                     break
                 if deadline and time.monotonic() > deadline:
                     break
+                if args.follow and time.monotonic() - checked >= w.POLL:
+                    if not w.check():
+                        rb.close()
+                        rb = bpfsys.RingReader(w.map.fd, show)
+                    checked = time.monotonic()
         except KeyboardInterrupt:
             pass
         finally:
             rb.close()
+    finally:
+        w.close()
 
 
 # ---------------------------------------------------------------- misc
 
 def cmd_metrics(args):
     from . import metrics, maps
+    _seconds("--seconds", args.seconds, "the time to serve")
     if args.once:
         names = None if args.instance is None else [args.instance]
         if names is None and not maps.instances():
@@ -399,12 +524,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refresh every SECONDS (default 1) with live rates")
     sp.add_argument("--count", type=int, help="with --watch: stop after this many refreshes")
     sp.add_argument("--all", action="store_true", help="show zero counters too")
+    sp.add_argument("--wait-reload", action="store_true",
+                    help="with --watch: when the instance is unloaded or reloaded, wait for it and go on "
+                    "(default: say so and exit 1)")
     sp.set_defaults(fn=cmd_stats)
 
     sp = sub.add_parser("events", help="EV state changes from the datapath's ring buffer")
     inst(sp); js(sp)
     sp.add_argument("--follow", "-f", action="store_true", help="keep waiting for new events")
     sp.add_argument("--seconds", type=float, help="with --follow: stop after this long")
+    sp.add_argument("--wait-reload", action="store_true",
+                    help="with --follow: when the instance is unloaded or reloaded, wait for it and go on "
+                    "(default: say so and exit 1)")
     sp.set_defaults(fn=cmd_events)
 
     sp = sub.add_parser("metrics", help="Prometheus metrics of every loaded instance (HTTP or --once)",
@@ -447,10 +578,14 @@ def main(argv=None) -> int:
     from .loader import LoadError
     from .maps import NotLoaded
     from .bpfsys import BpfError
+    from .netns import NetnsError
     try:
         args.fn(args)
     except (CliError, ConfigError, LoadError, NotLoaded) as e:
         print("mrc-xdp: %s" % e, file=sys.stderr)
+        return 1
+    except NetnsError as e:
+        print("mrc-xdp: %s" % (e.strerror or e), file=sys.stderr)
         return 1
     except BpfError as e:
         hint = " (needs root)" if e.errno in (1, 13) else ""

@@ -38,8 +38,15 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
+NAME_MAX = 255      # a name is a file in /run/netns
+
+
 class NetnsError(OSError):
     pass
+
+
+class BadName(NetnsError, ValueError):
+    """A name that is not a plain file name in /run/netns (still a ValueError, as before)."""
 
 
 def _err(what: str) -> NetnsError:
@@ -47,10 +54,28 @@ def _err(what: str) -> NetnsError:
     return NetnsError(e, "%s: %s" % (what, os.strerror(e)))
 
 
+def check_name(name: str) -> str:
+    """name, when it is a namespace name: one file name in /run/netns, as ip-netns makes
+    them (1-255 bytes, no '/' or NUL, not '.' or '..'); BadName, one line, otherwise."""
+    if not isinstance(name, str):
+        raise BadName(errno.EINVAL, "netns name %r: expected a string" % (name,))
+    why = None
+    if not name:
+        why = "is empty"
+    elif name in (".", ".."):
+        why = "is a directory, not a namespace"
+    elif "/" in name or "\0" in name:
+        why = "must not contain '/' or NUL"
+    elif len(os.fsencode(name)) > NAME_MAX:
+        why = "is longer than %d bytes" % NAME_MAX
+    if why:
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        raise BadName(errno.EINVAL, "netns name %r %s (a name in %s)" % (shown, why, NETNS_RUN_DIR))
+    return name
+
+
 def path(name: str) -> str:
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError("bad netns name %r" % name)
-    return os.path.join(NETNS_RUN_DIR, name)
+    return os.path.join(NETNS_RUN_DIR, check_name(name))
 
 
 def exists(name: str) -> bool:

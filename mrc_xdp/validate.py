@@ -71,14 +71,16 @@ def read_toml(path: str, what: str, err: type[Exception]) -> dict:
     except (OSError, ValueError, TypeError) as e:   # ValueError: a NUL in the path
         raise err("%s: cannot open the %s file: %s" % (p, what, getattr(e, "strerror", None) or e)) from None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else \
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+            raise err("%s: %s, not a %s file" % (p, kind, what))
+        if st.st_size > MAX_FILE_BYTES:
+            os.close(fd)
+            raise err("%s: %d bytes, larger than a %s file may be (%d)" % (p, st.st_size, what, MAX_FILE_BYTES))
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else \
-                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
-                raise err("%s: %s, not a %s file" % (p, kind, what))
-            if st.st_size > MAX_FILE_BYTES:
-                raise err("%s: %d bytes, larger than a %s file may be (%d)" % (p, st.st_size, what, MAX_FILE_BYTES))
             raw = f.read(MAX_FILE_BYTES + 1)    # /proc files say size 0
     except OSError as e:
         raise err("%s: cannot read the %s file: %s" % (p, what, e.strerror or e)) from None
