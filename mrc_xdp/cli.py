@@ -382,6 +382,9 @@ def cmd_events(args):
     from .shared import EvReason, EvState, ffi
 
     _seconds("--seconds", args.seconds, "the time to follow")
+    from . import health
+    if health.events_from_daemon(args):     # the daemon owns the ring while it runs
+        return
     if not args.follow:
         args.wait_reload = False
     w = _Watch(args, "mrc_events")
@@ -559,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import perf                  # write-bw, write-lat, send, recv
     perf.add_parsers(sub)
+
+    from . import health                # daemon, fabric check, top
+    health.add_parsers(sub)
 
     try:
         from .lab import cli as lab_cli

@@ -1,0 +1,800 @@
+"""Path health daemon (``mrc-xdp daemon``): probing, resurrection, plane link state and
+the event hub, for every datapath instance on the host.
+
+The datapath retires an EV within one feedback packet; this closes the loop from user
+space, with all state in the pinned maps (a killed daemon restarted resumes):
+
+- **Resurrection.** ASSUMED_BAD EVs are probed every ``probe.interval_ms`` (jittered,
+  backing off while the EV stays bad, up to ``probe.backoff_max_ms``); after
+  ``probe.ok_needed`` consecutive answered probes the EV is set GOOD with reason
+  PROBE_OK (``maps.set_ev_state``).  DENIED EVs are never probed.
+- **Background probes.** ``probe.background_per_s`` probes per second per instance
+  visit GOOD EVs (active and backup) in turn; their RTT is recorded per EV (last and
+  smoothed, served to ``mrc-xdp top``); ``probe.background_fail`` consecutive unanswered
+  probes retire a GOOD EV before data is sent over it.
+- **Plane links.** The plane NICs' link state is followed over netlink in the
+  instance's namespace.  A NIC that goes down (not IFF_UP or no carrier) takes every
+  GOOD/SKIP EV of its plane, backups first, out of rotation: ASSUMED_BAD with the
+  ``LINK_DOWN`` reason (``EvReason.LINK_DOWN`` once the shared header has it, OPERATOR
+  until then: a combination nothing else writes).  Spray then finds no usable EV on
+  that plane and gives its turn to the next plane.  When the NIC is up again exactly
+  those EVs go back to GOOD.  Marked EVs are never probed.
+- **Events.** The daemon is the single consumer of every instance's ``mrc_events``
+  ring; events (and the daemon's own changes, ``"source": "daemon"``) go to a bounded
+  history and to any number of subscribers on a unix socket (default
+  /run/mrc-xdp/events.sock, or $MRC_XDP_DAEMON_SOCKET), one JSON object per line.
+
+Probes go through a *prober*: any object with ``probe(instance, conn, ev, count,
+timeout) -> list[rtt_seconds | None]`` (``load_prober`` finds the datapath's in
+``mrc_xdp.probe``).  Without one the daemon still follows links and serves events,
+and says that probing is off.
+
+Socket protocol: the client sends one JSON line, the daemon answers in JSON lines.
+``{"op": "events", "instance": NAME|null, "history": N|null, "follow": bool}``: the last N
+(all) stored events of NAME (every instance), then, with follow, every new one.
+``{"op": "status"}``: one object: instances, plane links, per-EV probe results.
+"""
+from __future__ import annotations
+
+import collections
+import fnmatch
+import json
+import os
+import random
+import select
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import bpfsys, maps, netns
+from .shared import EvReason, EvState, ffi
+
+DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
+SOCKET_ENV = "MRC_XDP_DAEMON_SOCKET"
+DEFAULT_CONFIG = "/etc/mrc-xdp/daemon.toml"
+
+LINK_DOWN = getattr(EvReason, "LINK_DOWN", EvReason.OPERATOR)      # with ASSUMED_BAD
+LINK_UP = getattr(EvReason, "LINK_UP", EvReason.OPERATOR)          # back to GOOD
+PROBE_FAIL = getattr(EvReason, "PROBE_FAIL", EvReason.LOSS)        # background probes lost
+TICK = 0.02                 # main loop: ring polls, due probes
+RESCAN_S = 1.0              # new/removed instances, link resync
+
+IFF_UP, IFF_RUNNING = 0x1, 0x40
+
+
+class HealthError(RuntimeError):
+    """One line for the user."""
+
+
+def socket_path(path: str | None = None) -> str:
+    return path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+# ---------------------------------------------------------------- configuration
+
+@dataclass
+class HealthConfig:
+    socket: str = ""
+    instances: list = field(default_factory=lambda: ["*"])
+    history: int = 4096
+    interval_ms: int = 100          # ASSUMED_BAD EVs: probe period
+    ok_needed: int = 3              # consecutive answers to resurrect
+    timeout_ms: int = 50            # one probe's answer
+    backoff_max_ms: int = 1000      # period cap while an EV stays bad
+    jitter_pct: int = 20            # +- on every period
+    background_per_s: int = 20      # per instance, over GOOD EVs
+    background_fail: int = 3        # consecutive unanswered: retire a GOOD EV
+    follow_links: bool = True
+    workers: int = 4                # probes in flight at once
+
+    KEYS = {"socket", "instances", "history", "probe", "links"}
+    PROBE_KEYS = {"interval_ms", "ok_needed", "timeout_ms", "backoff_max_ms", "jitter_pct",
+                  "background_per_s", "background_fail", "workers"}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "daemon config") -> "HealthConfig":
+        from . import validate as V
+        E = HealthError
+        V.no_unknown_keys(d, cls.KEYS, source, E)
+        c = cls()
+        if "socket" in d:
+            c.socket = V.string(d["socket"], "socket", E, maxlen=100)
+            if not c.socket.startswith("/"):
+                raise E("socket: %s must be an absolute path" % V.show(c.socket))
+        if "instances" in d:
+            v = d["instances"]
+            if not isinstance(v, list) or not v:
+                raise E("instances: expected a non-empty list of names or globs, got %s" % V.show(v))
+            c.instances = [V.string(x, "instances[%d]" % i, E) for i, x in enumerate(v)]
+        if "history" in d:
+            c.history = V.int_in(d["history"], "history", 1, 1_000_000, E)
+        pr = V.table(d.get("probe", {}), "probe", E)
+        V.no_unknown_keys(pr, cls.PROBE_KEYS, "[probe]", E)
+        lim = {"interval_ms": (1, 600_000), "ok_needed": (1, 1000), "timeout_ms": (1, 10_000),
+               "backoff_max_ms": (1, 3_600_000), "jitter_pct": (0, 90),
+               "background_per_s": (0, 100_000), "background_fail": (1, 1000), "workers": (1, 64)}
+        for k, (lo, hi) in lim.items():
+            if k in pr:
+                setattr(c, k, V.int_in(pr[k], "probe." + k, lo, hi, E))
+        ln = V.table(d.get("links", {}), "links", E)
+        V.no_unknown_keys(ln, {"follow"}, "[links]", E)
+        if "follow" in ln:
+            c.follow_links = V.boolean(ln["follow"], "links.follow", E)
+        return c
+
+    @classmethod
+    def from_toml(cls, path: str) -> "HealthConfig":
+        from . import validate as V
+        return cls.from_dict(V.read_toml(path, "daemon config", HealthError), path)
+
+    def wants(self, instance: str) -> bool:
+        return any(fnmatch.fnmatchcase(instance, g) for g in self.instances)
+
+
+# ---------------------------------------------------------------- events
+
+def event_dict(instance: str, raw: bytes) -> dict:
+    e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
+    return {"instance": instance, "ts_ns": e.ts_ns, "conn": e.conn, "ev": e.ev, "slot": e.slot,
+            "plane": e.plane, "old": _name(EvState, e.old_state), "new": _name(EvState, e.new_state),
+            "reason": _name(EvReason, e.reason), "other_ev": e.other_ev, "source": "datapath"}
+
+
+def _name(enum, v) -> str:
+    try:
+        return enum(v).name
+    except ValueError:
+        return str(v)
+
+
+def format_event(d: dict) -> str:
+    """One line, as `mrc-xdp events` prints a ring event."""
+    if d.get("kind") == "link":
+        return "%.6f %s plane %d (%s) link %s: %d EV(s) %s" % (
+            d["ts_ns"] / 1e9, d["instance"], d["plane"], d["dev"], "up" if d["up"] else "down",
+            d["evs"], "back in rotation" if d["up"] else "out of rotation")
+    extra = " (replaced %#010x)" % d["other_ev"] if d.get("reason") == "REPLACED" else ""
+    src = " [daemon]" if d.get("source") == "daemon" else ""
+    return "%.6f conn %d plane %d EV %#010x %s -> %s: %s%s%s" % (
+        d["ts_ns"] / 1e9, d["conn"], d["plane"], d["ev"], d["old"], d["new"], d["reason"], extra, src)
+
+
+class EventHub:
+    """Bounded history plus live subscribers (sockets).  A subscriber that cannot keep up
+    (its socket buffer stays full for a second) is dropped."""
+
+    def __init__(self, history: int):
+        self.history: collections.deque = collections.deque(maxlen=history)
+        self.subs: list[tuple[socket.socket, str | None]] = []
+        self.lock = threading.Lock()
+        self.seq = 0
+
+    def publish(self, ev: dict) -> None:
+        with self.lock:
+            self.seq += 1
+            ev["seq"] = self.seq
+            self.history.append(ev)
+            line = (json.dumps(ev) + "\n").encode()
+            dead = []
+            for s, inst in self.subs:
+                if inst is not None and ev.get("instance") != inst:
+                    continue
+                try:
+                    s.sendall(line)
+                except OSError:
+                    dead.append(s)
+            for s in dead:
+                self._drop(s)
+
+    def _drop(self, s) -> None:
+        self.subs = [x for x in self.subs if x[0] is not s]
+        try:
+            s.close()
+        except OSError:
+            pass
+
+    def serve_client(self, s: socket.socket, status_fn) -> None:
+        s.settimeout(2.0)
+        try:
+            buf = b""
+            while b"\n" not in buf and len(buf) < 4096:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+            req = json.loads(buf.split(b"\n")[0] or b"{}")
+            if not isinstance(req, dict):
+                raise ValueError("not an object")
+        except (OSError, ValueError):
+            s.close()
+            return
+        try:
+            op = req.get("op")
+            if op == "status":
+                s.sendall((json.dumps(status_fn()) + "\n").encode())
+                s.close()
+                return
+            if op != "events":
+                s.sendall((json.dumps({"error": "unknown op %r" % op}) + "\n").encode())
+                s.close()
+                return
+            inst, n = req.get("instance"), req.get("history")
+            with self.lock:
+                hist = [e for e in self.history if inst is None or e.get("instance") == inst]
+                if isinstance(n, int) and n >= 0:
+                    hist = hist[len(hist) - n:] if n else []
+                s.sendall("".join(json.dumps(e) + "\n" for e in hist).encode())
+                if req.get("follow"):
+                    s.settimeout(1.0)
+                    self.subs.append((s, inst))
+                    return
+            s.close()
+        except OSError:
+            s.close()
+
+    def close(self) -> None:
+        with self.lock:
+            for s, _ in self.subs:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            self.subs = []
+
+
+# ---------------------------------------------------------------- client side
+
+def connect(path: str | None = None, timeout: float = 2.0) -> socket.socket | None:
+    """A connection to a running daemon, None when none answers at the socket."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(socket_path(path))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def request_lines(req: dict, path: str | None = None, timeout: float | None = 2.0):
+    """Send one request; yield the answer's JSON objects.  None: no daemon."""
+    s = connect(path)
+    if s is None:
+        return None
+
+    def gen():
+        try:
+            s.sendall((json.dumps(req) + "\n").encode())
+            s.settimeout(timeout)
+            f = s.makefile("rb")
+            for line in f:
+                yield json.loads(line)
+        finally:
+            s.close()
+    return gen()
+
+
+def status(path: str | None = None) -> dict | None:
+    g = request_lines({"op": "status"}, path)
+    if g is None:
+        return None
+    try:
+        for obj in g:
+            return obj
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+# ---------------------------------------------------------------- probers
+
+class ProberUnavailable(HealthError):
+    pass
+
+
+def load_prober():
+    """The datapath's prober (mrc_xdp.probe), adapted to probe(instance, conn, ev, count,
+    timeout) -> [rtt | None]; None when the module is not there."""
+    try:
+        from . import probe as mod      # issue 8 item 1: probes answered in the datapath
+    except ImportError:
+        return None
+    if hasattr(mod, "Prober"):
+        return mod.Prober()
+    if hasattr(mod, "probe"):
+        class _F:
+            def probe(self, instance, conn, ev, count=1, timeout=0.05):
+                return mod.probe(instance, conn, ev, count, timeout)
+        return _F()
+    return None
+
+
+# ---------------------------------------------------------------- per instance
+
+def ev_states(inst: maps.Instance) -> list[dict]:
+    """Every configured EV of every connection: conn, slot, ev, plane, t1, state, reason
+    (names), changed_ns; mrc_evs only (no counters), cheap enough for every tick."""
+    out = []
+    evs = inst.map("mrc_evs")
+    nplanes = len(inst.state.get("planes", [])) or 1
+    for c in inst.connections():
+        n, b = c["ev_per_plane"], c["backup_per_plane"]
+        slots = [p * n + k for p in range(nplanes) for k in range(n)] + \
+                [maps.ACTIVE_MAX + p * b + k for p in range(nplanes) for k in range(b)]
+        for slot in slots:
+            raw = evs.lookup(c["id"] * maps.SLOTS + slot)
+            if raw is None:
+                continue
+            e = ffi.cast("struct mrc_ev *", ffi.from_buffer(raw))
+            if e.state == EvState.UNUSED:
+                continue
+            out.append({"conn": c["id"], "conn_name": c["name"], "slot": slot, "ev": e.ev,
+                        "plane": e.plane, "t1": e.t1, "state": _name(EvState, e.state),
+                        "reason": _name(EvReason, e.reason), "changed_ns": e.changed_ns,
+                        "role": "active" if slot < maps.ACTIVE_MAX else "backup"})
+    return out
+
+
+def pinned_map_id(instance: str, name: str):
+    """The id of the map pinned as <instance>/<name>, None when it is not pinned."""
+    try:
+        fd = bpfsys.obj_get(os.path.join(maps.pin_dir(instance), name))
+    except (OSError, ValueError):
+        return None
+    try:
+        return bpfsys.map_info(fd).id
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def load_complete(instance: str) -> bool:
+    try:
+        with open(maps.state_path(instance)) as f:
+            return json.load(f).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def link_marked(row: dict) -> bool:
+    return row["state"] == "ASSUMED_BAD" and row["reason"] == LINK_DOWN.name
+
+
+class _Probe:
+    __slots__ = ("next", "ok", "fails", "busy")
+
+    def __init__(self, nxt):
+        self.next, self.ok, self.fails, self.busy = nxt, 0, 0, False
+
+
+class InstanceHealth:
+    """Everything the daemon does for one instance."""
+
+    def __init__(self, name: str, cfg: HealthConfig, hub: EventHub, prober, pool, log):
+        self.name, self.cfg, self.hub, self.prober, self.pool, self.log = name, cfg, hub, prober, pool, log
+        self.inst = maps.Instance(name)
+        self.map_id = bpfsys.map_info(self.inst.map("mrc_events").fd).id
+        self.netns = self.inst.state.get("netns")
+        self.planes = [(i, p["dev"]) for i, p in enumerate(self.inst.state.get("planes", []))]
+        self.rb = bpfsys.RingReader(self.inst.map("mrc_events").fd, self._on_event)
+        self.link_up: dict[int, bool] = {}
+        self.ipr = None
+        self.bad: dict[tuple[int, int], _Probe] = {}
+        self.bg_fail: dict[tuple[int, int], int] = {}
+        self.rtt: dict[tuple[int, int], dict] = {}
+        self.bg_order: list[tuple[int, int]] = []
+        self.bg_credit = 0.0
+        self.last_tick = time.monotonic()
+        self.lock = threading.Lock()
+        self.rng = random.Random()
+        self.resurrected = 0
+        if cfg.follow_links and self.planes:
+            self._open_netlink()
+            self.sync_links()
+
+    # -- events
+    def _on_event(self, raw: bytes) -> None:
+        self.hub.publish(event_dict(self.name, raw))
+
+    def _daemon_event(self, row: dict, old: str, new: str, reason) -> None:
+        self.hub.publish({"instance": self.name, "ts_ns": time.monotonic_ns(), "conn": row["conn"],
+                          "ev": row["ev"], "slot": row["slot"], "plane": row["plane"], "old": old,
+                          "new": new, "reason": reason.name, "other_ev": 0, "source": "daemon"})
+
+    def poll_ring(self) -> None:
+        self.rb.poll(0)
+
+    def still_loaded(self) -> bool:
+        return pinned_map_id(self.name, "mrc_events") == self.map_id
+
+    # -- links
+    def _open_netlink(self) -> None:
+        from pyroute2 import IPRoute
+
+        def mk():
+            ipr = IPRoute()
+            ipr.bind()
+            return ipr
+        try:
+            self.ipr = netns.run(self.netns, mk) if self.netns else mk()
+        except (OSError, netns.NetnsError) as e:
+            self.log("%s: cannot follow plane links (%s)" % (self.name, e))
+            self.ipr = None
+
+    def fileno(self):
+        return self.ipr.fileno() if self.ipr else None
+
+    def on_netlink(self) -> None:
+        try:
+            msgs = self.ipr.get()
+        except OSError:
+            return
+        devs = {dev: p for p, dev in self.planes}
+        for m in msgs:
+            if m.get("event") not in ("RTM_NEWLINK", "RTM_DELLINK"):
+                continue
+            dev = m.get_attr("IFLA_IFNAME")
+            if dev in devs:
+                up = m.get("event") == "RTM_NEWLINK" and bool(m["flags"] & IFF_UP) and bool(m["flags"] & IFF_RUNNING)
+                self.set_link(devs[dev], dev, up)
+
+    def sync_links(self) -> None:
+        if not self.ipr:
+            return
+        try:
+            links = {l.get_attr("IFLA_IFNAME"): l["flags"] for l in self.ipr.get_links()}
+        except OSError:
+            return
+        for p, dev in self.planes:
+            fl = links.get(dev)
+            self.set_link(p, dev, fl is not None and bool(fl & IFF_UP) and bool(fl & IFF_RUNNING), force=True)
+
+    def set_link(self, plane: int, dev: str, up: bool, force: bool = False) -> None:
+        if not force and self.link_up.get(plane) == up:
+            return
+        first = plane not in self.link_up
+        changed = self.link_up.get(plane) != up
+        self.link_up[plane] = up
+        n = self._plane_evs(plane, up)
+        if n or (changed and not first):
+            self.log("%s: plane %d (%s) link %s: %d EV(s) %s" % (self.name, plane, dev, "up" if up else "down",
+                                                                n, "back in rotation" if up else "out of rotation"))
+            self.hub.publish({"instance": self.name, "ts_ns": time.monotonic_ns(), "kind": "link",
+                              "plane": plane, "dev": dev, "up": up, "evs": n, "source": "daemon"})
+
+    def _plane_evs(self, plane: int, up: bool) -> int:
+        """Down: GOOD/SKIP EVs of the plane -> ASSUMED_BAD (LINK_DOWN), backups first so spray
+        finds no GOOD backup to swap in.  Up: exactly those back to GOOD."""
+        rows = [r for r in ev_states(self.inst) if r["plane"] == plane]
+        rows.sort(key=lambda r: r["role"] != "backup")
+        n = 0
+        evs, evidx = self.inst.map("mrc_evs"), self.inst.map("mrc_evidx")
+        for r in rows:
+            try:
+                if not up and r["state"] in ("GOOD", "SKIP"):
+                    maps.set_ev_state(evs, evidx, r["conn"], r["ev"], EvState.ASSUMED_BAD, LINK_DOWN)
+                    self._daemon_event(r, r["state"], "ASSUMED_BAD", LINK_DOWN)
+                    n += 1
+                elif up and link_marked(r):
+                    maps.set_ev_state(evs, evidx, r["conn"], r["ev"], EvState.GOOD, LINK_UP)
+                    self._daemon_event(r, "ASSUMED_BAD", "GOOD", LINK_UP)
+                    n += 1
+            except KeyError:        # the connection went away meanwhile
+                continue
+        return n
+
+    # -- probing
+    def _period(self, fails: int) -> float:
+        base = min(self.cfg.interval_ms * (2 ** min(fails, 20)), max(self.cfg.backoff_max_ms, self.cfg.interval_ms))
+        j = self.cfg.jitter_pct / 100.0
+        return base / 1000.0 * (1 + self.rng.uniform(-j, j))
+
+    def tick(self) -> None:
+        if self.prober is None:
+            return
+        now = time.monotonic()
+        rows = ev_states(self.inst)
+        seen = set()
+        for r in rows:
+            k = (r["conn"], r["ev"])
+            if r["state"] != "ASSUMED_BAD" or link_marked(r) or self.link_up.get(r["plane"]) is False:
+                continue
+            seen.add(k)
+            with self.lock:
+                st = self.bad.get(k)
+                if st is None:
+                    st = self.bad[k] = _Probe(now + self._period(0))
+                if st.busy or now < st.next:
+                    continue
+                st.busy = True
+            self.pool.submit(self._probe_bad, r, st)
+        with self.lock:
+            for k in [k for k, st in self.bad.items() if k not in seen and not st.busy]:
+                del self.bad[k]
+        # background
+        dt, self.last_tick = now - self.last_tick, now
+        self.bg_credit = min(self.bg_credit + dt * self.cfg.background_per_s, 8.0)
+        good = [r for r in rows if r["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False]
+        while self.bg_credit >= 1.0 and good:
+            self.bg_credit -= 1.0
+            if not self.bg_order:
+                self.bg_order = [(r["conn"], r["ev"]) for r in good]
+                self.rng.shuffle(self.bg_order)
+            k = self.bg_order.pop()
+            r = next((x for x in good if (x["conn"], x["ev"]) == k), None)
+            if r is not None:
+                self.pool.submit(self._probe_good, r)
+
+    def _probe(self, r: dict):
+        try:
+            res = self.prober.probe(self.name, r["conn"], r["ev"], 1, self.cfg.timeout_ms / 1000.0)
+        except Exception as e:      # a prober failure is one missed probe, said once per EV
+            self.log("%s: probe conn %d EV %#010x failed: %s" % (self.name, r["conn"], r["ev"], e))
+            res = [None]
+        rtt = res[0] if res else None
+        k = (r["conn"], r["ev"])
+        with self.lock:
+            d = self.rtt.setdefault(k, {"last": None, "srtt": None, "sent": 0, "answered": 0, "at": 0.0})
+            d["sent"] += 1
+            d["at"] = time.time()
+            if rtt is not None:
+                d["answered"] += 1
+                d["last"] = rtt
+                d["srtt"] = rtt if d["srtt"] is None else 0.875 * d["srtt"] + 0.125 * rtt
+        return rtt
+
+    def _probe_bad(self, r: dict, st: _Probe) -> None:
+        try:
+            rtt = self._probe(r)
+            if rtt is None:
+                st.ok, st.fails = 0, st.fails + 1
+            else:
+                st.ok += 1
+                st.fails = 0
+                if st.ok >= self.cfg.ok_needed:
+                    cur = [x for x in ev_states(self.inst) if (x["conn"], x["ev"]) == (r["conn"], r["ev"])]
+                    if cur and cur[0]["state"] == "ASSUMED_BAD" and not link_marked(cur[0]):
+                        maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
+                                          EvState.GOOD, EvReason.PROBE_OK)
+                        self._daemon_event(cur[0], "ASSUMED_BAD", "GOOD", EvReason.PROBE_OK)
+                        self.resurrected += 1
+                    st.ok = 0
+            st.next = time.monotonic() + self._period(st.fails)
+        except Exception as e:
+            self.log("%s: resurrecting conn %d EV %#010x: %s" % (self.name, r["conn"], r["ev"], e))
+            st.next = time.monotonic() + self._period(st.fails)
+        finally:
+            st.busy = False
+
+    def _probe_good(self, r: dict) -> None:
+        k = (r["conn"], r["ev"])
+        try:
+            rtt = self._probe(r)
+            if rtt is not None:
+                self.bg_fail.pop(k, None)
+                return
+            n = self.bg_fail[k] = self.bg_fail.get(k, 0) + 1
+            if n >= self.cfg.background_fail:
+                self.bg_fail.pop(k, None)
+                cur = [x for x in ev_states(self.inst) if (x["conn"], x["ev"]) == k]
+                if cur and cur[0]["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False:
+                    maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
+                                      EvState.ASSUMED_BAD, PROBE_FAIL)
+                    self._daemon_event(cur[0], "GOOD", "ASSUMED_BAD", PROBE_FAIL)
+        except Exception as e:
+            self.log("%s: background probe conn %d EV %#010x: %s" % (self.name, r["conn"], r["ev"], e))
+
+    def status(self) -> dict:
+        with self.lock:
+            rtt = {"%d:%d" % k: dict(v) for k, v in self.rtt.items()}
+            bad = {"%d:%d" % k: {"ok": v.ok, "fails": v.fails, "next_in_s": round(v.next - time.monotonic(), 3)}
+                   for k, v in self.bad.items()}
+        return {"netns": self.netns, "links": {str(p): {"dev": dev, "up": self.link_up.get(p)}
+                                               for p, dev in self.planes},
+                "rtt": rtt, "probing": bad, "resurrected": self.resurrected}
+
+    def close(self) -> None:
+        self.rb.close()
+        if self.ipr:
+            self.ipr.close()
+        self.inst.close()
+
+
+# ---------------------------------------------------------------- the daemon
+
+class Daemon:
+    def __init__(self, cfg: HealthConfig, prober="auto", log=None):
+        self.cfg = cfg
+        self.sock_path = socket_path(cfg.socket or None)
+        self.hub = EventHub(cfg.history)
+        self.prober = load_prober() if prober == "auto" else prober
+        self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="mrc-probe")
+        self.watch: dict[str, InstanceHealth] = {}
+        self.stop = threading.Event()
+        self.log = log or (lambda m: print("mrc-xdp daemon: " + m, file=sys.stderr, flush=True))
+        self.srv = None
+        self.started = time.time()
+
+    # -- socket
+    def _listen(self) -> None:
+        d = os.path.dirname(self.sock_path)
+        os.makedirs(d, exist_ok=True)
+        if os.path.exists(self.sock_path):
+            if connect(self.sock_path, 0.5) is not None:
+                raise HealthError("a daemon already serves %s: stop it first (or set socket in the config)"
+                                  % self.sock_path)
+            os.unlink(self.sock_path)
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o660)
+        self.srv.listen(64)
+        self.srv.settimeout(0.5)
+        threading.Thread(target=self._accept, name="mrc-daemon-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                c, _ = self.srv.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self.hub.serve_client, args=(c, self.status), daemon=True).start()
+
+    def status(self) -> dict:
+        return {"pid": os.getpid(), "started": self.started, "socket": self.sock_path,
+                "prober": self.prober is not None, "events": self.hub.seq,
+                "config": {k: getattr(self.cfg, k) for k in ("interval_ms", "ok_needed", "timeout_ms",
+                                                              "backoff_max_ms", "jitter_pct",
+                                                              "background_per_s", "background_fail")},
+                "instances": {n: w.status() for n, w in list(self.watch.items())}}
+
+    # -- instances
+    def rescan(self) -> None:
+        names = [n for n in maps.instances() if self.cfg.wants(n)]
+        for n in list(self.watch):
+            if n not in names or not self.watch[n].still_loaded():
+                self.log("%s: unloaded or reloaded: %s" % (n, "following the new one" if n in names else "dropped"))
+                self.watch.pop(n).close()
+        for n in names:
+            if n in self.watch:
+                continue
+            try:
+                if not load_complete(n):
+                    continue
+                self.watch[n] = InstanceHealth(n, self.cfg, self.hub, self.prober, self.pool, self.log)
+                self.log("%s: following (%d plane(s)%s)" % (n, len(self.watch[n].planes),
+                                                           ", netns " + self.watch[n].netns if self.watch[n].netns else ""))
+            except (maps.NotLoaded, OSError, bpfsys.BpfError) as e:
+                self.log("%s: cannot follow: %s" % (n, e))
+        for w in self.watch.values():
+            w.sync_links()
+
+    def run(self, seconds: float | None = None) -> None:
+        self._listen()
+        if self.prober is None:
+            self.log("probing is off: no prober (mrc_xdp.probe) available; following links and events only")
+        self.log("serving events on %s" % self.sock_path)
+        end = time.monotonic() + seconds if seconds else None
+        next_scan = 0.0
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if end and now >= end:
+                    break
+                if now >= next_scan:
+                    self.rescan()
+                    next_scan = now + RESCAN_S
+                fds = {w.fileno(): w for w in self.watch.values() if w.fileno() is not None}
+                try:
+                    r, _, _ = select.select(list(fds), [], [], TICK)
+                except (OSError, ValueError):
+                    r = []
+                for fd in r:
+                    fds[fd].on_netlink()
+                for w in list(self.watch.values()):
+                    try:
+                        w.poll_ring()
+                        w.tick()
+                    except (OSError, bpfsys.BpfError) as e:
+                        self.log("%s: %s" % (w.name, e))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for w in self.watch.values():
+            w.poll_ring()
+            w.close()
+        self.watch.clear()
+        self.hub.close()
+        if self.srv:
+            self.srv.close()
+            try:
+                os.unlink(self.sock_path)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------- CLI
+
+def events_from_daemon(args) -> bool:
+    """`mrc-xdp events` through a running daemon that follows args.instance: its history
+    (every stored event of the instance), then with --follow the live events.  False when
+    no daemon serves that instance (the caller then reads the ring itself)."""
+    st = status()
+    if st is None or args.instance not in st.get("instances", {}):
+        return False
+    s = connect()
+    if s is None:
+        return False
+    end = time.monotonic() + args.seconds if args.follow and args.seconds else None
+    try:
+        s.sendall((json.dumps({"op": "events", "instance": args.instance,
+                               "follow": bool(args.follow)}) + "\n").encode())
+        s.settimeout(0.25)
+        buf = b""
+        while True:
+            if end and time.monotonic() > end:
+                break
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                continue
+            if not chunk:
+                break               # no --follow: history sent; or the daemon stopped
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                d = json.loads(line)
+                print(json.dumps(d) if args.json else format_event(d), flush=True)
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError):
+        pass
+    finally:
+        s.close()
+    return True
+
+
+def cmd_daemon(args) -> None:
+    from .cli import CliError
+    try:
+        cfg = HealthConfig.from_toml(args.config) if args.config else HealthConfig()
+        if args.socket:
+            cfg.socket = args.socket
+        if args.instance:
+            cfg.instances = args.instance
+        if os.geteuid() != 0:
+            raise HealthError("the daemon reads and writes pinned BPF maps: run it as root")
+        d = Daemon(cfg, prober=None if args.no_probe else "auto")
+        import signal
+        signal.signal(signal.SIGTERM, lambda *a: d.stop.set())
+        d.run(args.seconds)
+    except HealthError as e:
+        raise CliError(str(e)) from None
+
+
+def add_parsers(sub) -> None:
+    sp = sub.add_parser("daemon", help="path health daemon: probe and resurrect EVs, follow plane links, serve events",
+                        description="Run in the foreground for every datapath instance on the host: probe "
+                        "ASSUMED_BAD EVs and return them to GOOD after N answered probes, background-probe GOOD "
+                        "EVs (RTT per EV), take a plane's EVs out of rotation while its NIC is down, and be the "
+                        "single consumer of the event rings, republishing to `mrc-xdp events`/`top` over a unix "
+                        "socket. Config: TOML, see contrib/daemon.toml.")
+    sp.add_argument("--config", "-c", help="TOML config (default: built-in defaults)")
+    sp.add_argument("--socket", help="unix socket to serve events on (default %s or $%s)" % (DEFAULT_SOCKET, SOCKET_ENV))
+    sp.add_argument("--instance", "-i", action="append",
+                    help="follow only this instance (a glob; repeatable; default every one)")
+    sp.add_argument("--no-probe", action="store_true", help="do not probe (links and events only)")
+    sp.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C / SIGTERM)")
+    sp.set_defaults(fn=cmd_daemon)
+
+    from . import fabriccheck, top
+    fabriccheck.add_parser(sub)
+    top.add_parser(sub)

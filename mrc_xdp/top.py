@@ -1,0 +1,268 @@
+"""`mrc-xdp top`: a live terminal view of one datapath instance, in the style of htop.
+
+Per-connection EV table (state, packet rate, probe RTT, last reason), plane balance
+(share of the packets sprayed per plane over the last refresh) and the recent EV
+events.  Probe RTTs and events come from the health daemon when it runs (events over
+its socket); without it top reads the instance's event ring itself.
+
+Keys: ``s`` next sort column, ``c`` next connection filter (all, then each), up/down
+or ``j``/``k`` move the cursor, ``d`` deny / ``a`` allow the EV under the cursor
+(as `mrc-xdp ev deny|allow`), ``q`` quit.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import select
+import socket
+import sys
+import termios
+import time
+import tty
+
+from . import bpfsys, health, maps
+from .shared import EvState
+
+SORTS = ["conn", "ev", "plane", "state", "rate", "rtt"]
+STATE_STYLE = {"GOOD": "green", "SKIP": "yellow", "ASSUMED_BAD": "bold red", "DENIED": "magenta"}
+
+
+class Top:
+    def __init__(self, instance: str, interval: float = 1.0, events: int = 12):
+        self.name = instance
+        self.inst = maps.Instance(instance)
+        self.interval = interval
+        self.sort = 0
+        self.conn_filter: int | None = None
+        self.cursor = 0
+        self.events: collections.deque = collections.deque(maxlen=events)
+        self.prev: dict | None = None
+        self.prev_t = 0.0
+        self.rows: list[dict] = []
+        self.planes: list[tuple[int, int]] = []
+        self.msg = ""
+        self.daemon: dict | None = None
+        self.evsock = None
+        self.evbuf = b""
+        self.rb = None
+        self._open_events()
+
+    # -- events
+    def _open_events(self) -> None:
+        st = health.status()
+        if st is not None and self.name in st.get("instances", {}):
+            s = health.connect()
+            if s is not None:
+                s.sendall((json.dumps({"op": "events", "instance": self.name, "history": self.events.maxlen,
+                                       "follow": True}) + "\n").encode())
+                s.setblocking(False)
+                self.evsock = s
+                return
+        self.rb = bpfsys.RingReader(self.inst.map("mrc_events").fd,
+                                    lambda raw: self.events.append(health.event_dict(self.name, raw)))
+
+    def _read_events(self) -> None:
+        if self.rb is not None:
+            self.rb.poll(0)
+            return
+        while True:
+            try:
+                chunk = self.evsock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.evsock.close()
+                self.evsock = None
+                self.rb = bpfsys.RingReader(self.inst.map("mrc_events").fd,
+                                            lambda raw: self.events.append(health.event_dict(self.name, raw)))
+                return
+            self.evbuf += chunk
+            *lines, self.evbuf = self.evbuf.split(b"\n")
+            for line in lines:
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError:
+                    pass
+
+    # -- data
+    def refresh(self) -> None:
+        self._read_events()
+        now = time.monotonic()
+        rows = self.inst.ev_table()
+        self.daemon = health.status() if self.evsock is not None or os.path.exists(health.socket_path()) else None
+        rtts = ((self.daemon or {}).get("instances", {}).get(self.name) or {}).get("rtt", {})
+        cur = {(r["conn"], r["ev"]): r["tx_pkts"] for r in rows}
+        dt = now - self.prev_t if self.prev is not None else 0
+        plane_pk: dict[int, int] = collections.Counter()
+        for r in rows:
+            k = (r["conn"], r["ev"])
+            d = cur[k] - self.prev.get(k, cur[k]) if self.prev is not None else 0
+            r["rate"] = d / dt if dt > 0 else 0.0
+            plane_pk[r["plane"]] += max(d, 0)
+            p = rtts.get("%d:%d" % k)
+            r["rtt"] = p.get("srtt") if p else None
+        self.prev, self.prev_t = cur, now
+        self.planes = sorted(plane_pk.items())
+        if self.conn_filter is not None:
+            rows = [r for r in rows if r["conn"] == self.conn_filter]
+        key = SORTS[self.sort]
+        if key == "rtt":
+            rows.sort(key=lambda r: (r["rtt"] is None, r["rtt"] or 0))
+        elif key == "rate":
+            rows.sort(key=lambda r: -r["rate"])
+        else:
+            rows.sort(key=lambda r: (r[key], r["conn"], r["slot"]))
+        self.rows = rows
+        self.cursor = max(0, min(self.cursor, len(rows) - 1))
+
+    # -- keys
+    def key(self, k: str) -> bool:
+        """Apply one key; False to quit."""
+        if k in ("q", "Q", "\x03"):
+            return False
+        if k == "s":
+            self.sort = (self.sort + 1) % len(SORTS)
+            self.msg = "sorted by %s" % SORTS[self.sort]
+        elif k == "c":
+            ids = sorted({c["id"] for c in self.inst.connections()})
+            seq = [None] + ids
+            i = seq.index(self.conn_filter) if self.conn_filter in seq else 0
+            self.conn_filter = seq[(i + 1) % len(seq)]
+            self.msg = "connection: %s" % ("all" if self.conn_filter is None else self.conn_filter)
+            self.cursor = 0
+        elif k in ("j", "\x1b[B"):
+            self.cursor += 1
+        elif k in ("k", "\x1b[A"):
+            self.cursor = max(0, self.cursor - 1)
+        elif k in ("d", "a") and self.rows:
+            r = self.rows[min(self.cursor, len(self.rows) - 1)]
+            st = EvState.DENIED if k == "d" else EvState.GOOD
+            try:
+                res = self.inst.set_ev_state(r["ev"], st, conn=r["conn"])
+                self.msg = "conn %d EV %#010x: %s -> %s" % (r["conn"], r["ev"], res["old"], res["new"])
+            except (KeyError, OSError) as e:
+                self.msg = "%s: %s" % ("deny" if k == "d" else "allow", e)
+        self.refresh()
+        return True
+
+    # -- view
+    def render(self, height: int = 50):
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        d = self.daemon
+        head = Text()
+        head.append("mrc-xdp top  ", style="bold")
+        head.append("instance %s  " % self.name)
+        head.append("daemon: %s  " % ("pid %d%s" % (d["pid"], "" if d.get("prober") else " (probing off)")
+                                       if d else "not running (events from the ring)"))
+        head.append("sort: %s  conn: %s" % (SORTS[self.sort], "all" if self.conn_filter is None else self.conn_filter))
+        tot = sum(n for _, n in self.planes) or 0
+        bal = Text("planes: ")
+        for p, n in self.planes:
+            bal.append("p%d %5.1f%%  " % (p, 100.0 * n / tot if tot else 0.0))
+        counts = collections.Counter(r["state"] for r in self.rows)
+        bal.append("   EVs: " + "  ".join("%s %d" % (s, counts[s]) for s in ("GOOD", "SKIP", "ASSUMED_BAD", "DENIED")
+                                         if counts[s]))
+        t = Table(box=None, pad_edge=False, header_style="bold reverse", expand=False)
+        for c in ("CONN", "EV", "PLANE", "T1", "ROLE", "STATE", "PKT/S", "RTT(us)", "LOSS", "REASON"):
+            t.add_column(c, justify="right" if c in ("PKT/S", "RTT(us)", "LOSS", "PLANE", "T1") else "left")
+        nev = len(self.events)
+        room = max(3, height - 8 - min(nev, 12))
+        first = max(0, self.cursor - room + 1)
+        for i, r in enumerate(self.rows[first:first + room], first):
+            t.add_row(r["conn_name"] or str(r["conn"]), "%#010x" % r["ev"], str(r["plane"]), str(r["t1"]), r["role"],
+                      Text(r["state"], style=STATE_STYLE.get(r["state"], "")), "%.0f" % r["rate"],
+                      "-" if r["rtt"] is None else "%.0f" % (r["rtt"] * 1e6), str(r["loss"]), r["reason"],
+                      style="reverse" if i == self.cursor else None)
+        ev = Text("recent events:\n", style="bold")
+        for e in list(self.events)[-12:]:
+            ev.append(health.format_event(e) + "\n")
+        keys = Text("keys: s sort  c connection  j/k move  d deny  a allow  q quit   " + self.msg, style="dim")
+        return Group(head, bal, t, ev, keys)
+
+    def close(self) -> None:
+        if self.rb is not None:
+            self.rb.close()
+        if self.evsock is not None:
+            self.evsock.close()
+        self.inst.close()
+
+
+def _keys(fd: int, timeout: float) -> list[str]:
+    r, _, _ = select.select([fd], [], [], timeout)
+    if not r:
+        return []
+    data = os.read(fd, 64).decode(errors="replace")
+    out, i = [], 0
+    while i < len(data):
+        if data[i] == "\x1b" and data[i + 1:i + 2] == "[" and i + 2 < len(data):
+            out.append(data[i:i + 3])
+            i += 3
+        else:
+            out.append(data[i])
+            i += 1
+    return out
+
+
+def run(instance: str, interval: float = 1.0, once: bool = False) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    top = Top(instance, interval)
+    console = Console()
+    try:
+        top.refresh()
+        if once or not sys.stdin.isatty():
+            time.sleep(min(interval, 1.0))
+            top.refresh()
+            console.print(top.render(console.height))
+            return
+        fd = sys.stdin.fileno()
+        old = termios.tcgetattr(fd)
+        tty.setcbreak(fd)
+        try:
+            with Live(top.render(console.height), console=console, screen=True, auto_refresh=False) as live:
+                nxt = time.monotonic() + interval
+                while True:
+                    keys = _keys(fd, max(0.0, nxt - time.monotonic()))
+                    go = True
+                    for k in keys:
+                        go = top.key(k) and go
+                    if not go:
+                        break
+                    if time.monotonic() >= nxt:
+                        top.refresh()
+                        nxt = time.monotonic() + interval
+                    live.update(top.render(console.height), refresh=True)
+        finally:
+            termios.tcsetattr(fd, termios.TCSADRAIN, old)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        top.close()
+
+
+def cmd_top(args) -> None:
+    from .cli import CliError
+    if not (0.05 <= args.interval <= 3600):
+        raise CliError("--interval %g: must be between 0.05 and 3600 seconds" % args.interval)
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise CliError("top needs the rich module: run `make setup` (Debian package python3-rich)") from None
+    run(args.instance, args.interval, args.once)
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("top", help="live view: per-EV state, rate and probe RTT, plane balance, events",
+                        description="A live terminal view of one instance. Keys: s sort, c filter by connection, "
+                        "j/k (arrows) move, d deny / a allow the EV under the cursor, q quit.")
+    sp.add_argument("--instance", "-i", default="default")
+    sp.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds (default 1)")
+    sp.add_argument("--once", action="store_true", help="print one frame and exit (also when stdin is not a tty)")
+    sp.set_defaults(fn=cmd_top)
