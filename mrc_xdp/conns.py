@@ -15,8 +15,8 @@ has a connection to the same peer, the new one takes its shape: SRv6 row templat
 per plane, T1 count, and in ecmp mode its very EVs (an ecmp lab learnt them by probing
 which T1 each EV hashes to, and that depends on the EV, not on the QPN).
 
-Adds and removes on one instance are serialised by ``flock`` on
-/run/mrc-xdp/<instance>.conns.lock, so concurrent processes cannot take the same id.
+Adds and removes on one instance are serialised by ``flock`` on its pin directory
+(/sys/fs/bpf/mrc/<instance>), so concurrent processes cannot take the same id.
 """
 from __future__ import annotations
 
@@ -45,9 +45,12 @@ class ConnError(RuntimeError):
 
 @contextlib.contextmanager
 def _locked(instance: str):
-    path = state_path(instance)[:-len(".json")] + ".conns.lock"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """flock on the instance's pin directory: it lives exactly as long as the instance,
+    so no lock file is left behind by unload."""
+    try:
+        fd = os.open(pin_dir(instance), os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise NotLoaded("instance %r is not loaded: run `mrc-xdp load` first" % instance) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
