@@ -105,7 +105,7 @@ def test_peer_vanishes(pair):
         qb = B.create_qp(qpn=ep_.CONNS[1][1])
         qa.connect(qb.local_attrs())
         qb.connect(qa.local_attrs())
-        n = 96                   # 96 x 16 MiB: seconds of work, the unload lands midway
+        n = 400                  # 400 x 16 MiB: many seconds of work, the unload lands midway
         for i in range(n):
             qa.post_write(i, ma, 0, 16 << 20, mb.addr, mb.rkey)
         time.sleep(0.05)

@@ -1454,7 +1454,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(rto_max_us, 500000);
 	DEF(retry_limit, 8);
 	DEF(loss_reorder, 32);
-	DEF(window, 4096);
+	DEF(window, MRC_PSN_RING / 2);   /* the datapath counts feedback for < MRC_PSN_RING in flight */
 	DEF(cc_init_cwnd, 64 * o->payload);
 	DEF(cc_min_cwnd, o->payload);
 	DEF(cc_max_cwnd, o->window * o->payload);

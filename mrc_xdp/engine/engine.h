@@ -76,7 +76,8 @@ struct mrc_eng_opts {
 	uint32_t rto_max_us;        /* RTO ceiling (500000) */
 	uint32_t retry_limit;       /* consecutive timeouts before the QP goes to error (8) */
 	uint32_t loss_reorder;      /* SACK holes this far below the newest SACKed PSN are lost (32) */
-	uint32_t window;            /* PSN window (MPR) in packets, power of 2 <= 16384 (4096) */
+	uint32_t window;            /* PSN window (MPR) in packets, power of 2, 128..16384 (512: the
+	                             * datapath attributes feedback only within MRC_PSN_RING) */
 	/* NSCC-style congestion window */
 	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
 	uint32_t cc_min_cwnd;       /* bytes (default 1 packet) */
