@@ -191,6 +191,10 @@ def test_load_spray_feedback_unload(pair):
     proc = subprocess.Popen(CLI + ["stats", "--watch", "0.3", "--count", "2", "--json", "--instance", pair["ia"]],
                             stdout=subprocess.PIPE, text=True)
     try:
+        # send once the watcher holds the counters (its start-up may outlast the 0.6 s of sending)
+        from test_live_watch import held_map_ids, pinned_id, wait_for
+        sid = pinned_id(pair["ia"], "mrc_stats")
+        wait_for("stats --watch to open the counters", lambda: sid in held_map_ids(proc.pid))
         tx.send(3000, pps=5000)
     finally:
         tx.close()
