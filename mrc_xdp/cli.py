@@ -440,6 +440,8 @@ def cmd_metrics(args):
         port_n = int(port)
     except ValueError:
         raise CliError("--listen %r: expected HOST:PORT, e.g. 127.0.0.1:9417" % args.listen) from None
+    if not 0 < port_n <= 65535:
+        raise CliError("--listen %r: the port must be 1-65535" % args.listen)
     host = host.strip("[]") or "127.0.0.1"
     print("serving Prometheus metrics on http://%s:%d/metrics (Ctrl-C to stop)" % (host, port_n),
           file=sys.stderr, flush=True)

@@ -74,8 +74,10 @@ def read_toml(path: str, what: str, err: type[Exception]) -> dict:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else \
-                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+            m = st.st_mode
+            kind = "a directory" if stat.S_ISDIR(m) else "a FIFO" if stat.S_ISFIFO(m) else \
+                "a device" if stat.S_ISCHR(m) or stat.S_ISBLK(m) else "a socket" if stat.S_ISSOCK(m) else \
+                "not a regular file"
             raise err("%s: %s, not a %s file" % (p, kind, what))
         if st.st_size > MAX_FILE_BYTES:
             os.close(fd)

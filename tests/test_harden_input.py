@@ -148,7 +148,7 @@ BAD_FILES = [
     ("a directory", lambda t: str(t), "a directory, not a"),
     ("/proc/self/mem", lambda t: "/proc/self/mem", "cannot read the"),
     ("a FIFO", _fifo, "a FIFO, not a"),
-    ("/dev/zero", lambda t: "/dev/zero", "not a regular file"),
+    ("/dev/zero", lambda t: "/dev/zero", "/dev/zero: a device, not a"),
     ("over 1 MiB", _huge, "larger than a"),
     ("deeply nested", lambda t: _write(t, b"a = " + b"[" * 100000, "n.toml"), "nested too deeply"),
     ("a 5000-digit integer", lambda t: _write(t, b"a = " + b"9" * 5000, "d.toml"), "not valid TOML: Exceeds the limit"),
@@ -218,6 +218,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
         ["events", "--follow", "--seconds", "nan"],
         ["events", "--follow", "--seconds", "-1"],
         ["metrics", "--seconds", "inf"],
+        ["metrics", "--listen", "127.0.0.1:99999", "--seconds", "1"],
     ]
     procs = [(args, subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
              for args in cases]
