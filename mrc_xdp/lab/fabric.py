@@ -38,6 +38,7 @@ import time
 from .. import netns
 from ..maps import PIN_ROOT, STATE_DIR
 from . import linkmodel as lmod
+from .executor import NetnsNode
 from .topology import Topology, from_dict
 
 DEFAULT_PREFIX = "mrc-"
@@ -343,6 +344,52 @@ def link_model_cfg(topo: Topology, rx_node: str, link) -> dict:
                 udp_port=lm.udp_port, ecn=not last_hop, trim=True)
 
 
+# ---------------------------------------------------------------- node set-up (any target)
+# The same functions configure a node whether it is a namespace here (NetnsNode) or a VM
+# reached over SSH (SshNode, mrc_xdp.lab.vm): only the wiring differs (veth pairs with
+# chosen ifindexes here; NICs found by their MAC in a VM).
+def node_sysctls(topo: Topology, node: str) -> list:
+    """The sysctls of a node, set before its interfaces exist (no link-local addresses)."""
+    return _NS_SYSCTLS_COMMON + (_NS_SYSCTLS_SWITCH if topo.nodes[node].kind != "host" else [])
+
+
+def link_lines(topo: Topology, node: str) -> list[str]:
+    """`ip -batch` lines: loopback, link addresses, MRC address, interfaces up."""
+    n = topo.nodes[node]
+    out = ["link set dev lo up"]
+    for p in n.ports:
+        out += ["address add %s/64 dev %s" % (p.addr, p.ifname), "link set dev %s up" % p.ifname]
+    if n.kind == "host":
+        out += ["address add %s/64 dev mrc0" % topo.host(node).addr,
+                "link set dev mrc0p up", "link set dev mrc0 up"]
+    return out
+
+
+def configure_links(ex, topo: Topology, node: str) -> None:
+    ex.ip_batch(link_lines(topo, node))
+
+
+def configure_routes(ex, topo: Topology, node: str) -> None:
+    """Static neighbours and routes (srv6: uN + /48s; ecmp: /128s, multipath)."""
+    ex.ip_batch(_batch(topo, node))
+
+
+def linkmodel_ends(topo: Topology, node: str) -> list:
+    """The link ends received at `node`: [[name, ifname, topology ifindex, config]]."""
+    return [[name, rx.ifname, rx.ifindex, link_model_cfg(topo, rx.node, lk)]
+            for name, rx, tx, lk in topo.link_ends() if rx.node == node]
+
+
+def attach_linkmodel(lm, ends, netns_name: str | None = None, ifindex_of=None) -> list[str]:
+    """Configure and attach the link model at each end.  ifindex_of(ifname): where the
+    topology's ifindex is not the device's (a VM); netns_name: the node's namespace."""
+    for name, ifname, ifindex, cfg in ends:
+        i = ifindex_of(ifname) if ifindex_of else ifindex
+        lm.set(i, cfg)
+        lmod.xdp_attach(i, lm.prog_fd, netns_name=netns_name)
+    return [e[0] for e in ends]
+
+
 # ---------------------------------------------------------------- up
 def _noop(msg: str) -> None:
     pass
@@ -408,10 +455,8 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
                 raise LabError("netns %s: %s: it is not this lab's; remove it or pick another "
                                "prefix" % (ns, e.strerror or e)) from None
             fds[node] = netns.open_fd(ns)
+            NetnsNode(node, ns).sysctls(node_sysctls(topo, node))
             with netns.enter(ns):
-                _write_sysctls(_NS_SYSCTLS_COMMON)
-                if topo.nodes[node].kind != "host":
-                    _write_sysctls(_NS_SYSCTLS_SWITCH)
                 iprs[node] = IPRoute()
         progress("  %d namespaces (%s*)  %.2fs" % (len(nodes), prefix, time.monotonic() - t))
 
@@ -423,34 +468,16 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         for h in topo.hosts:
             _create_veth(iprs[h.name], "mrc0", h.app_ifindex, _mrc0_mac(h), topo.app_mtu,
                          "mrc0p", h.fab_ifindex, _mrc0p_mac(h), None)
-        for node, n in topo.nodes.items():
-            ipr = iprs[node]
-            lo = ipr.link_lookup(ifname="lo")[0]
-            ipr.link("set", index=lo, state="up")
-            for p in n.ports:
-                ipr.addr("add", index=p.ifindex, address=p.addr, prefixlen=64)
-                ipr.link("set", index=p.ifindex, state="up")
-            if n.kind == "host":
-                h = topo.host(node)
-                ipr.addr("add", index=h.app_ifindex, address=h.addr, prefixlen=64)
-                ipr.link("set", index=h.fab_ifindex, state="up")
-                ipr.link("set", index=h.app_ifindex, state="up")
+        execs = {node: NetnsNode(node, ns) for node, ns in nodes.items()}
+        for node in topo.nodes:
+            configure_links(execs[node], topo, node)
         progress("  %d links (veth, ifindex %d..%d), addresses  %.2fs"
                  % (len(topo.links), topo.links[0].a.ifindex, topo.hosts[-1].fab_ifindex,
                     time.monotonic() - t))
 
         t = time.monotonic()
-        procs = []
-        for node, ns in nodes.items():
-            lines = _batch(topo, node)
-            if lines:
-                p = subprocess.Popen(["ip", "-n", ns, "-batch", "-"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                procs.append((node, p, "\n".join(lines) + "\n"))
-        for node, p, text in procs:
-            _, err = p.communicate(text, timeout=30)
-            if p.returncode:
-                raise LabError("%s: routes failed: %s" % (node, err.strip().splitlines()[-1] if err.strip() else p.returncode))
+        for node in topo.nodes:
+            configure_routes(execs[node], topo, node)
         progress("  static routes and neighbours (%s mode)  %.2fs" % (topo.mode, time.monotonic() - t))
 
         t = time.monotonic()
@@ -461,10 +488,8 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         record(state, "pins", [pin_dir(prefix)])
         lm.pin(pin_dir(prefix))
         ends = []
-        for name, rx, tx, lk in topo.link_ends():
-            lm.set(rx.ifindex, link_model_cfg(topo, rx.node, lk))
-            lmod.xdp_attach(rx.ifindex, lm.prog_fd, netns_name=nodes[rx.node])
-            ends.append(name)
+        for node in topo.nodes:
+            ends += attach_linkmodel(lm, linkmodel_ends(topo, node), netns_name=nodes[node])
         progress("  link model on %d link ends (compile overlapped)  %.2fs"
                  % (len(ends), time.monotonic() - t))
         lm.close()

@@ -183,24 +183,36 @@ def next_slot(topo: Topology, host: str, plane: int) -> int:
     return topo.host(host).index * topo.planes + plane
 
 
-def chain_ingress(topo: Topology, prefix: str, host: str, lm: "lmod.LinkModel") -> None:
-    """Link model first on the host's plane NICs, then (tail call) the datapath's ingress."""
+_HERE = object()     # netns_name default: the host's namespace in the netns lab
+
+
+def chain_ingress(topo: Topology, prefix: str, host: str, lm: "lmod.LinkModel",
+                  netns_name=_HERE, ifindex_of=None) -> None:
+    """Link model first on the host's plane NICs, then (tail call) the datapath's ingress.
+    netns_name: the host's namespace (default: the netns lab's <prefix><host>; None on a
+    VM); ifindex_of(ifname): the device's ifindex where it is not the topology's (a VM)."""
     from ..maps import pin_dir as dp_pin_dir
     from .. import bpfsys
+    ns = prefix + host if netns_name is _HERE else netns_name
     fd = bpfsys.obj_get(os.path.join(dp_pin_dir(instance_name(prefix, host)), "prog_ingress"))
     try:
         for p in range(topo.planes):
             port = topo.port(host, "p%d" % p)
-            lm.set_next(port.ifindex, next_slot(topo, host, p), fd)
-            lmod.xdp_attach(port.ifindex, lm.prog_fd, netns_name=prefix + host)
+            ifindex = ifindex_of(port.ifname) if ifindex_of else port.ifindex
+            lm.set_next(ifindex, next_slot(topo, host, p), fd)
+            lmod.xdp_attach(ifindex, lm.prog_fd, netns_name=ns)
     finally:
         os.close(fd)
 
 
-def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm) -> dict:
+def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm,
+              netns_name=_HERE, ifindex_of=None) -> dict:
+    """Load a host's datapath in its namespace (netns lab) or here (netns_name=None: on
+    the host's VM), behind the link model."""
     from .. import loader
-    st = loader.load(cfg, netns_name=prefix + host, force=True)
-    chain_ingress(topo, prefix, host, lm)
+    ns = prefix + host if netns_name is _HERE else netns_name
+    st = loader.load(cfg, netns_name=ns, force=True)
+    chain_ingress(topo, prefix, host, lm, netns_name=ns, ifindex_of=ifindex_of)
     return {"instance": cfg.instance, "load_s": st.get("load_seconds"),
             "connections": len(cfg.connections)}
 

@@ -9,7 +9,8 @@ Schema (every key optional except where noted; defaults are those of default.tom
     mode = "srv6"                 # "srv6" (uSID source routing) or "ecmp" (L4-hash multipath)
     planes = 2                    # 1..8 independent planes; a host has one NIC per plane
     t0_per_plane = 2              # T0 (leaf) switches per plane, 1..64
-    t1_per_plane = 2              # T1 (spine) switches per plane, 1..64; every T0 links to every T1
+    t1_per_plane = 2              # T1 (spine) switches per plane, 1..64 (0 when t0_per_plane = 1);
+                                  #   every T0 links to every T1
     mtu = 1600                    # fabric links (room for the 40-byte SRv6 outer header)
     app_mtu = 1500                # mrc0/mrc0p on each host
 
@@ -366,7 +367,8 @@ def from_dict(d: dict, source: str = "") -> Topology:
     mode = V.choice(d.get("mode", "srv6"), "mode", ("srv6", "ecmp"), TopologyError)
     planes = _int(d.get("planes", 2), "planes", 1, MAX_PLANES)
     t0n = _int(d.get("t0_per_plane", 2), "t0_per_plane", 1, MAX_PER_TIER)
-    t1n = _int(d.get("t1_per_plane", 2), "t1_per_plane", 1, MAX_PER_TIER)
+    # no T1 only with a single T0 (every host on it): the smallest fabric, e.g. the VM lab's CI
+    t1n = _int(d.get("t1_per_plane", 2), "t1_per_plane", 0 if t0n == 1 else 1, MAX_PER_TIER)
     mtu = _int(d.get("mtu", 1600), "mtu", 1280, 3000)
     app_mtu = _int(d.get("app_mtu", 1500), "app_mtu", 1280, mtu - SRV6_OUTER_LEN)
     cap = _table(d, "capacity")
