@@ -89,6 +89,7 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 		return -1;
 	delta = icrc_delta(row, old_sport ^ new_sport);
 	off = p->udp_off + p->udp_len - MRC_ICRC_LEN;
+	mrc_barrier_var(off);           /* keep this check: see mrc_barrier_var */
 	if (off > 0x3FFF)
 		return -1;
 	trailer = data + off;

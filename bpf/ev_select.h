@@ -15,6 +15,7 @@
 #define MRC_EV_SELECT_H
 
 #include "ev_state.h"
+#include "parse.h"          /* mrc_barrier_var */
 
 #define MRC_SELECT_TRIES 32        /* EV positions examined per packet, over all planes */
 
@@ -135,7 +136,15 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 	limit = budget * nplanes;
 #pragma clang loop unroll(disable)
 	for (t = 1; t < MRC_SELECT_TRIES; t++) {
-		if (t >= limit)
+		__u32 lim = limit;
+
+		/* Opaque in every iteration: otherwise clang folds both exits into one trip
+		 * count min(limit - 1, 31) left by `t == count`, and the verifiers of Linux
+		 * 6.1 and 6.12 learn nothing from a failed `==` against a range: they walk
+		 * the loop until they give up ("The sequence of 8193 jumps is too complex").
+		 * So the constant bound stays an exit of its own; same iterations. */
+		mrc_barrier_var(lim);
+		if (t >= lim)
 			break;
 		if (ev_try(cid, c, r, (p0 + t / budget) % nplanes, n))
 			goto out;

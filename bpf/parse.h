@@ -22,6 +22,16 @@
 
 #define NEXTHDR_IPV6_ENCAP 41
 
+/*
+ * Hide from the compiler what it knows of var's range, so that a bounds check written
+ * next to packet pointer math stays in the program and is made on the register the
+ * math uses.  Without it clang drops a check it can prove redundant (e.g. the trailer
+ * offset once udp_len - 6 was checked against the ICRC table) and adds a value that
+ * the verifier of Linux 6.1 / 6.12 cannot bound: those track no range through a byte
+ * swap (bpf_ntohs) nor back from a checked copy (r1 = r2 - 6; if r1 > N) to r2.
+ */
+#define mrc_barrier_var(var) asm volatile("" : "+r"(var))
+
 struct mrc_pkt {
 	__u32 l3_off;           /* IPv6 header carrying the UDP (inner one if encapsulated) */
 	__u32 outer;            /* 1: an outer IPv6 (SRv6) header sits at MRC_ETH_LEN */
