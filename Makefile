@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup kmatrix-setup kmatrix demo test bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -11,8 +11,16 @@ setup:
 demo: setup
 	$(VENV)/bin/mrc-xdp demo
 
-test: setup
+# the kernel matrix (tests/test_kernel_matrix.py) needs QEMU, virtme-ng and the kernels
+kmatrix-setup: setup
+	bash scripts/kmatrix-setup.sh
+
+test: setup kmatrix-setup
 	$(PY) -m pytest -ra tests
+
+# boot each kernel of the matrix under QEMU (TCG) and run the datapath sample in it
+kmatrix: kmatrix-setup
+	$(PY) -m pytest -ra tests/test_kernel_matrix.py
 
 bench: setup
 	$(PY) tools/bench_xdp.py
