@@ -500,7 +500,11 @@ class Endpoint:
             pass
 
 
-def icrc(ip6: bytes) -> int:
-    """The engine's ICRC of an IPv6 RoCEv2 packet without its trailer (as wire.icrc)."""
+def icrc(ip6: bytes, fast: bool | None = None) -> int:
+    """The engine's ICRC of an IPv6 RoCEv2 packet without its trailer (as wire.icrc).
+    fast None: as the engine computes it; True: the PCLMULQDQ fold (when the CPU has
+    it); False: zlib alone."""
     ffi, lib = _engine()
-    return int(lib.mrc_eng_icrc(ffi.from_buffer(ip6), len(ip6)))
+    if fast is None:
+        return int(lib.mrc_eng_icrc(ffi.from_buffer(ip6), len(ip6)))
+    return int(lib.mrc_eng_icrc2(ffi.from_buffer(ip6), len(ip6), int(fast)))

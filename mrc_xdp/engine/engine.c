@@ -86,10 +86,128 @@ static inline void put64(uint8_t *p, uint64_t v) { put32(p, v >> 32); put32(p + 
 
 /* ------------------------------------------------------------------ ICRC */
 
+/* CRC-32 as zlib's crc32() computes it.  On x86 with PCLMULQDQ the bulk (multiples of
+ * 16 bytes, at least 64) is folded with carry-less multiplies (the folding method of
+ * Intel's "Fast CRC Computation Using PCLMULQDQ", as Chromium's zlib does), the rest
+ * goes through zlib.  mrc_eng_open checks it against zlib on random data first and
+ * uses zlib alone if they ever differ (or the CPU lacks the instructions). */
+static int crc_fast_ok;
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_fold(const uint8_t *buf, size_t len, uint32_t crc)
+{
+	static const uint64_t __attribute__((aligned(16))) k1k2[] = { 0x0154442bd4, 0x01c6e41596 };
+	static const uint64_t __attribute__((aligned(16))) k3k4[] = { 0x01751997d0, 0x00ccaa009e };
+	static const uint64_t __attribute__((aligned(16))) k5k0[] = { 0x0163cd6124, 0x0000000000 };
+	static const uint64_t __attribute__((aligned(16))) poly[] = { 0x01db710641, 0x01f7011641 };
+	__m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
+
+	x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+	x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+	x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+	x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+	x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+	x0 = _mm_load_si128((const __m128i *)k1k2);
+	buf += 64;
+	len -= 64;
+	while (len >= 64) {
+		x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+		x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
+		x7 = _mm_clmulepi64_si128(x3, x0, 0x00);
+		x8 = _mm_clmulepi64_si128(x4, x0, 0x00);
+		x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+		x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
+		x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
+		x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
+		y5 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+		y6 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+		y7 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+		y8 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+		x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), y5);
+		x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), y6);
+		x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), y7);
+		x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), y8);
+		buf += 64;
+		len -= 64;
+	}
+	x0 = _mm_load_si128((const __m128i *)k3k4);
+	x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+	x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+	x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+	x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+	x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+	x1 = _mm_xor_si128(_mm_xor_si128(x1, x3), x5);
+	x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+	x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+	x1 = _mm_xor_si128(_mm_xor_si128(x1, x4), x5);
+	while (len >= 16) {
+		x2 = _mm_loadu_si128((const __m128i *)buf);
+		x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+		x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+		x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+		buf += 16;
+		len -= 16;
+	}
+	x2 = _mm_clmulepi64_si128(x1, x0, 0x10);
+	x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+	x1 = _mm_srli_si128(x1, 8);
+	x1 = _mm_xor_si128(x1, x2);
+	x0 = _mm_loadl_epi64((const __m128i *)k5k0);
+	x2 = _mm_srli_si128(x1, 4);
+	x1 = _mm_and_si128(x1, x3);
+	x1 = _mm_clmulepi64_si128(x1, x0, 0x00);
+	x1 = _mm_xor_si128(x1, x2);
+	x0 = _mm_load_si128((const __m128i *)poly);
+	x2 = _mm_and_si128(x1, x3);
+	x2 = _mm_clmulepi64_si128(x2, x0, 0x10);
+	x2 = _mm_and_si128(x2, x3);
+	x2 = _mm_clmulepi64_si128(x2, x0, 0x00);
+	x1 = _mm_xor_si128(x1, x2);
+	return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+#endif
+
+static uLong crc32_any(uLong crc, const uint8_t *buf, size_t len, int fast)
+{
+#if defined(__x86_64__)
+	if (fast && len >= 64) {
+		size_t chunk = len & ~(size_t)15;
+
+		crc = ~crc32_fold(buf, chunk, ~(uint32_t)crc) & 0xFFFFFFFFul;
+		buf += chunk;
+		len -= chunk;
+		if (!len)
+			return crc;
+	}
+#endif
+	return crc32_z(crc, buf, len);
+}
+
+static void crc_fast_check(void)
+{
+#if defined(__x86_64__)
+	static uint8_t buf[4096 + 64];
+	uint32_t i, n;
+
+	if (!__builtin_cpu_supports("pclmul") || !__builtin_cpu_supports("sse4.1"))
+		return;
+	for (i = 0; i < sizeof(buf); i++)
+		buf[i] = (uint8_t)(random() >> 7);
+	for (n = 0; n <= 4096 + 33; n += 7)
+		if (crc32_any(0x12345678ul * (n & 1), buf + (n & 7), n, 1) !=
+		    crc32_z(0x12345678ul * (n & 1), buf + (n & 7), n))
+			return;
+	crc_fast_ok = 1;
+#endif
+}
+
 /* As mrc_xdp/wire.py icrc(): CRC-32 over 8 bytes of 0xFF (masked LRH), then the IPv6
  * packet with traffic class, flow label and hop limit all ones, UDP checksum 0xFFFF,
  * BTH byte 4 0xFF; ip6 excludes the trailer. */
-uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len)
+static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
 {
 	static const uint8_t lrh[8] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
 	uint8_t hdr[MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN];
@@ -105,8 +223,24 @@ uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len)
 	hdr[MRC_IPV6_LEN + UDP_HLEN + 4] = 0xFF;
 	crc = crc32(0L, lrh, sizeof(lrh));
 	crc = crc32(crc, hdr, sizeof(hdr));
-	crc = crc32(crc, ip6 + sizeof(hdr), len - sizeof(hdr));
+	crc = crc32_any(crc, ip6 + sizeof(hdr), len - sizeof(hdr), fast);
 	return (uint32_t)crc;
+}
+
+uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len)
+{
+	return icrc_calc(ip6, len, crc_fast_ok);
+}
+
+uint32_t mrc_eng_icrc2(const uint8_t *ip6, uint32_t len, int fast)
+{
+#if defined(__x86_64__)
+	if (fast && !(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1")))
+		fast = 0;
+#else
+	fast = 0;
+#endif
+	return icrc_calc(ip6, len, fast);
 }
 
 static inline void put_icrc(uint8_t *p, uint32_t v)
@@ -1600,6 +1734,8 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	for (i = 0; i < e->n_tx_frames; i++)
 		e->tx_free[e->n_tx_free++] = (uint64_t)(e->n_rx_frames + i) * e->o.frame_size;
 	srandom((unsigned)now_ns());
+	crc_fast_check();
+	e->st.crc_fast = crc_fast_ok;
 	if ((rc = pthread_create(&e->thr, NULL, progress, e))) {
 		snprintf(err, errlen, "progress thread: %s", strerror(rc));
 		goto fail;

@@ -113,6 +113,7 @@ struct mrc_eng_stats {
 	uint64_t qps;               /* QPs alive */
 	uint64_t umem_free;         /* TX frames free right now */
 	uint64_t zero_copy;         /* 1 if the socket is bound in zero-copy mode */
+	uint64_t crc_fast;          /* 1: CRC-32 folded with PCLMULQDQ (checked against zlib) */
 };
 
 struct mrc_qp_stats {
@@ -189,7 +190,9 @@ int  mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_
 /* Take up to max completions; returns how many. */
 int  mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max);
 
-/* ICRC of an IPv6 RoCEv2 packet without its trailer (as mrc_xdp.wire.icrc). */
+/* ICRC of an IPv6 RoCEv2 packet without its trailer (as mrc_xdp.wire.icrc).  fast: use
+ * the PCLMULQDQ fold (if the CPU has it and it matched zlib), else zlib alone. */
 uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len);
+uint32_t mrc_eng_icrc2(const uint8_t *ip6, uint32_t len, int fast);
 
 #endif /* MRC_ENGINE_H */
