@@ -17,7 +17,7 @@ import collections
 import pytest
 
 from helpers import (ACTIVE_MAX, CONN_A, CONN_B, LOSS_REORDER, PEER_B, QPN_A_REMOTE,
-                     QPN_B_LOCAL, STRANGER, XDP_REDIRECT, data, with_macs, xdp_name)
+                     QPN_B_LOCAL, STRANGER, XDP_REDIRECT, data, delta, with_macs, xdp_name)
 from mrc_xdp import wire
 from mrc_xdp.shared import EvReason, EvState, NackReason, SackM, const
 
@@ -753,3 +753,45 @@ def test_issue6_forged_sack_burst_retires_nothing(ecmp):
     d = _fb(env, "sack", 0xDEADBEEF, cack_psn=PSN0, bitmap=1 << (NPSN - 1),
             ack_psn_offset=NPSN - 1)
     assert d["ing_loss"] == const("MRC_LOSS_BATCH") and d["ing_fb_no_ev"] == 1
+
+
+def test_lab_receiver_feedback_is_always_inside_the_window(ecmp):
+    """The lab receiver's SACKs (mrc_xdp.traffic._RxConn: cumulative ack, bitmap ending
+    at the newest arrival, holes given up GIVE_UP PSNs behind it) for a stream with one
+    path blackholed: never ing_fb_oow, even while the cumulative ack lags more than
+    MRC_PSN_RING behind; the blackholed EV is retired from the bitmaps.  Frames are
+    patched templates, as the lab's sender and receiver do (ICRC left stale: neither
+    program checks it)."""
+    from mrc_xdp import bpfsys
+    from mrc_xdp.traffic import BTH, EXT, GIVE_UP, _RxConn
+    env = ecmp
+    rx = _RxConn(QPN_A_REMOTE)
+    psn0, n = 0xFFFFFF - 600, 1800                  # across the 2^24 wrap, too
+    rx.cack = rx.high = psn0                        # the start PSN, agreed out of band
+    dead = env.active_evs(CONN_A)[0]                # its packets never arrive
+    tx, sack = bytearray(data(0)), bytearray(env.feedback("sack", 0))
+    spray_fd = env.dp.fd("spray")
+    lag = 0
+    before = env.counters()
+    for i in range(n):
+        psn = (psn0 + i) & M24
+        tx[BTH + 9:BTH + 12] = psn.to_bytes(3, "big")
+        ret, out, _ = bpfsys.prog_test_run(spray_fd, bytes(tx))
+        assert ret == XDP_REDIRECT
+        ev = wire.ev_of_frame(out)
+        if ev == dead:
+            continue
+        cack, soff, bitmap = rx.receive(psn)
+        lag = max(lag, (psn - cack) & M24)
+        sack[EXT + 2:EXT + 4] = ((psn - cack) & 0xFFFF).to_bytes(2, "big")   # acked = psn
+        sack[EXT + 4:EXT + 8] = ev.to_bytes(4, "big")
+        sack[EXT + 13:EXT + 16] = cack.to_bytes(3, "big")
+        sack[EXT + 18:EXT + 20] = soff.to_bytes(2, "big")
+        sack[EXT + 20:EXT + 28] = bitmap.to_bytes(8, "big")
+        ret, _ = env.run("ingress", bytes(sack))
+        assert ret == XDP_REDIRECT
+    tot = delta(before, env.counters())
+    assert "ing_fb_oow" not in tot, tot
+    assert lag > const("MRC_PSN_RING") and lag >= GIVE_UP, lag
+    assert tot["ing_sack"] > n * 0.9 and tot["ing_loss"] >= 1, tot
+    assert env.state(CONN_A, dead) == EvState.ASSUMED_BAD
