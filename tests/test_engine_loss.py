@@ -82,6 +82,10 @@ def link_counters(env, side):
     return tot
 
 
+def dp_counters(inst):
+    return json.loads(ep_.cli("stats", "--json", "--instance", inst).stdout)["counters"]
+
+
 def run_transfer(env, k, size, imm=1, timeout=90):
     A, B = env["A"], env["B"]
     qa = A.create_qp(qpn=ep_.CONNS[k][0])
@@ -108,6 +112,7 @@ def test_random_loss(env, ppm):
     """1% and 10% random loss on every plane link, both directions (data and SACKs)."""
     configure(env, {"loss_ppm": ppm}, {"loss_ppm": ppm})
     size = SIZE if ppm <= 10000 else SIZE // 4
+    dp0 = dp_counters(env["pair"].ia)
     try:
         sa, sb, dt = run_transfer(env, 0 if ppm <= 10000 else 1, size)
         lost = link_counters(env, "b")["drop_loss"]
@@ -124,6 +129,8 @@ def test_random_loss(env, ppm):
     assert sa["rtx_sack"] > 0                 # most losses found from the SACK bitmap
     assert sb["rx_pkts"] == npk               # every PSN placed exactly once
     assert sa["state_name"] == "rts"
+    # the engine's SACK bitmaps drive the datapath's loss attribution (RACK) at A
+    assert dp_counters(env["pair"].ia)["ing_loss"] > dp0["ing_loss"]
 
 
 def test_trim_and_ecn(env):
@@ -131,6 +138,7 @@ def test_trim_and_ecn(env):
     M=SKIP_ONCE), trimmed frames come back as NACK TRIMMED and are resent at once."""
     configure(env, {"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000,
                     "ecn": True, "trim": True})
+    dp0 = dp_counters(env["pair"].ia)
     try:
         sa, sb, dt = run_transfer(env, 2, SIZE // 2)
         lc = link_counters(env, "b")
@@ -142,6 +150,9 @@ def test_trim_and_ecn(env):
                                          sa["cwnd"], dt))
     assert lc["marked"] > 0 and sb["rx_ce"] > 0 and sa["sacks_rx_ecn"] > 0
     assert sa["cc_dec"] > 0
+    # SACK M=SKIP_ONCE and NACK TRIMMED reach A's ingress and skip the EVs they echo
+    dp1 = dp_counters(env["pair"].ia)
+    assert dp1["ing_fb_skip"] > dp0["ing_fb_skip"], (dp0, dp1)
     if lc["trimmed"]:
         assert sa["nacks_rx_trim"] > 0 and sa["rtx_nack_trim"] > 0
     assert sa["rtx_pkts"] <= lc["trimmed"] + lc["drop_loss"] + sa["tx_pkts"] * 0.05 + 64

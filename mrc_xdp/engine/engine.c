@@ -18,9 +18,11 @@
  *     ImmDt only on the last packet of a Write-with-Immediate; AckReq on the last
  *     packet of every message.
  *   SACK: BTH(psn = cack) | SETH | CC_STATE; NACK: BTH | NETH.
- * ACK coalescing (receiver): a SACK after every ack_every data packets, or ack_delay_us
- * after the first unacknowledged one, and at once for a packet that leaves a hole, a
- * CE-marked packet, a duplicate, or one with AckReq.
+ * ACK coalescing (receiver): at the end of each RX batch (<= 64 frames) a SACK for the
+ * newest packet if ack_every data packets are unacknowledged, or a packet of the batch
+ * left a hole, was a duplicate or carried AckReq; else ack_delay_us after the first
+ * unacknowledged one; and a SACK of its own, at once, for each CE-marked packet (so
+ * M=SKIP_ONCE echoes the EV that was marked).
  * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN missing
  * from a SACK bitmap at least loss_reorder below its highest set bit (or below the
  * bitmap) is lost if its last transmission was sent before the packet that triggered the
@@ -207,6 +209,8 @@ static void crc_fast_check(void)
 /* As mrc_xdp/wire.py icrc(): CRC-32 over 8 bytes of 0xFF (masked LRH), then the IPv6
  * packet with traffic class, flow label and hop limit all ones, UDP checksum 0xFFFF,
  * BTH byte 4 0xFF; ip6 excludes the trailer. */
+static uLong crc_lrh;
+
 static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
 {
 	static const uint8_t lrh[8] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
@@ -221,8 +225,9 @@ static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
 	hdr[7] = 0xFF;
 	hdr[MRC_IPV6_LEN + 6] = hdr[MRC_IPV6_LEN + 7] = 0xFF;
 	hdr[MRC_IPV6_LEN + UDP_HLEN + 4] = 0xFF;
-	crc = crc32(0L, lrh, sizeof(lrh));
-	crc = crc32(crc, hdr, sizeof(hdr));
+	if (!crc_lrh)
+		crc_lrh = crc32(0L, lrh, sizeof(lrh));  /* a constant: once */
+	crc = crc32(crc_lrh, hdr, sizeof(hdr));
 	crc = crc32_any(crc, ip6 + sizeof(hdr), len - sizeof(hdr), fast);
 	return (uint32_t)crc;
 }
@@ -1074,8 +1079,10 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	q->ack_ev = ev;
 	q->ack_pending++;
 	if (ce) {
+		/* its own SACK at once: M=SKIP_ONCE must echo the EV of the marked packet */
 		q->ack_ce = 1;
-		q->ack_now = 1;
+		send_sack(e, q);
+		return;
 	}
 	if (bth[8] & MRC_BTH_B8_ACKREQ)
 		q->ack_now = 1;
