@@ -47,6 +47,7 @@ SIOCGIFMTU = 0x8921
 # IPv6 40 + UDP 8 + BTH 12 + METH 4 + RETH 16 + ImmDt 4 + ICRC 4 (MTU counts from IPv6).
 DATA_OVERHEAD = 88
 PAYLOAD_ALIGN = 64          # the default payload is rounded down to this
+TSETH_LEN = 4               # more per packet with timestamps=1
 
 
 class TransportError(RuntimeError):
@@ -353,7 +354,7 @@ class CQ:
 # -------------------------------------------------------------------- endpoint
 
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "retry_limit",
-              "loss_reorder", "window", "frames", "ring", "zero_copy", "dscp_data", "dscp_ctrl",
+              "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
               "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md")
 
@@ -367,7 +368,8 @@ class Endpoint:
     per data packet (default: the largest app_dev's MTU allows, see default_payload).
     Keyword options (engine.h struct mrc_eng_opts, 0 = default): ack_every,
     ack_delay_us, rto_min_us, rto_max_us, retry_limit, loss_reorder, window, frames,
-    ring, zero_copy, dscp_*, and the NSCC window cc_init_cwnd, cc_min_cwnd,
+    ring, zero_copy, timestamps (TSETH on data, reflected in SACKs), dscp_*, and the
+    NSCC window cc_init_cwnd, cc_min_cwnd,
     cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md.
     """
 
@@ -396,12 +398,13 @@ class Endpoint:
             inst.close()
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
+        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") else 0)
         if mtu is None:
-            mtu = default_payload(dev_mtu)
-        if mtu <= 0 or mtu % 4 or mtu + DATA_OVERHEAD > dev_mtu:
+            mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD)
+        if mtu <= 0 or mtu % 4 or mtu + overhead > dev_mtu:
             raise TransportError("mtu %d: the payload must be a positive multiple of 4 and at most "
                                  "%d (%s MTU %d minus %d bytes of headers)" % (
-                                     mtu, dev_mtu - DATA_OVERHEAD, self.dev, dev_mtu, DATA_OVERHEAD))
+                                     mtu, dev_mtu - overhead, self.dev, dev_mtu, overhead))
         self.payload = mtu
         o = ffi.new("struct mrc_eng_opts *")
         o.ifname = self.dev.encode()

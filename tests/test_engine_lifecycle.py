@@ -89,6 +89,28 @@ def test_thousand_qps_and_idle(pair):
     assert fds() == fd0 and threads() == th0
 
 
+def test_timestamps(pair):
+    """timestamps=1: TSETH on every data packet (through spray, ingress and to_engine),
+    its tx time reflected in the SACK's CC_STATE and used for RTT samples; the payload
+    shrinks by the 4 bytes of TSETH only if it must."""
+    import hashlib
+    with transport.Endpoint(pair.ia, timestamps=1) as A, transport.Endpoint(pair.ib, timestamps=1) as B:
+        assert A.options()["timestamps"] == 1
+        qa = A.create_qp(qpn=ep_.CONNS[3][0])
+        qb = B.create_qp(qpn=ep_.CONNS[3][1])
+        qa.connect(qb.local_attrs())
+        qb.connect(qa.local_attrs())
+        size = 16 << 20
+        src, dst = bytearray(os.urandom(size)), bytearray(size)
+        ma, mb = A.reg_mr(src), B.reg_mr(dst)
+        qa.post_write(3, ma, 0, size, mb.addr, mb.rkey, imm=3)
+        ca, cb = A.cq.wait_blocking(timeout=30), B.cq.wait_blocking(timeout=10)
+        assert [(c.wr_id, c.ok) for c in ca] == [(3, True)] and [c.imm for c in cb] == [3]
+        assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
+        st = qa.stats()
+        assert st["rtt_ts"] > 0 and st["srtt_ns"] > 0, st
+
+
 def test_peer_vanishes(pair):
     """B's datapath is unloaded mid-transfer: A's QP reaches the error state within the
     retry budget (every outstanding WR completes with an error), nothing hangs; then B's

@@ -326,7 +326,7 @@ struct qp {
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
 	struct rmsg *msgs;                       /* win entries, by msn & mask */
 	uint16_t rmsn_next;
-	uint32_t ack_pending, ack_psn, ack_ev, ack_ce;
+	uint32_t ack_pending, ack_psn, ack_ev, ack_ce, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
 	uint64_t ack_deadline, rcvd_bytes;
 	int ack_now;
 	struct mrc_qp_stats st;
@@ -854,18 +854,26 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
 	else
 		opcode = MRC_OP_WRITE_MIDDLE;
-	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0);
+	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (e->o.timestamps ? MRC_TSETH_LEN : 0);
 	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
 	ip_plen = frame_len - OFF_UDP;
 	f = tx_frame(e, &addr);
 	if (!f)
 		return -1;
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
-		   (uint8_t)(pad << 4), (last ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0), t->psn);
+		   (uint8_t)(pad << 4), (last ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
+		   (e->o.timestamps ? MRC_BTH_B8_TS : 0), t->psn);
 	p = f + OFF_EXT;
 	put16(p, 0);                             /* RQMSN */
 	put16(p + 2, w->msn);                    /* MSN */
 	p += MRC_METH_LEN;
+	if (e->o.timestamps) {                   /* TSETH: tx time in µs (16 bits), TSR 0, ftype 0 */
+		uint16_t ts = (uint16_t)(now_ns() / 1000);
+
+		put16(p, ts ? ts : 1);           /* 0 means "no timestamp" when reflected */
+		put16(p + 2, 0);
+		p += MRC_TSETH_LEN;
+	}
 	put64(p, w->raddr + t->off);             /* RETH: this packet's placement */
 	put32(p + 8, w->rkey);
 	put32(p + 12, (uint32_t)w->len);         /* the whole message's length */
@@ -948,7 +956,7 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 	put16(h + 18, (uint16_t)soff);
 	put64(h + 20, bm);
 	cc = h + MRC_SETH_LEN;
-	put16(cc, 0);                            /* no TSETH sent: nothing to reflect */
+	put16(cc, q->ack_ts ? (uint16_t)(q->ack_ts - 1) : 0);   /* reflected TSETH tx timestamp (0: none) */
 	put16(cc + 2, (uint16_t)(q->rcv_ooo > 0x7FFF ? 0x7FFF : q->rcv_ooo));
 	cc[4] = 0;                               /* r_c 0, rcv_cwnd_pen 0 */
 	put24(cc + 5, (uint32_t)(q->rcvd_bytes & 0xFFFFFF));
@@ -991,15 +999,18 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	uint8_t op = bth[0];
 	int imm = op == MRC_OP_WRITE_LAST_IMM || op == MRC_OP_WRITE_ONLY_IMM;
 	int last = op == MRC_OP_WRITE_LAST || op == MRC_OP_WRITE_ONLY || imm;
-	uint32_t psn = get24(bth + 9), pad = (bth[1] >> 4) & 3, d, hdr, len, rkey;
+	uint32_t psn = get24(bth + 9), pad = (bth[1] >> 4) & 3, d, hdr, len, rkey, ts = 0;
 	uint64_t va, dlen;
 	struct rmsg *m;
 	struct mr *mr;
 	uint16_t msn;
 
 	hdr = OFF_EXT + MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0);
-	if (bth[8] & MRC_BTH_B8_TS)
-		hdr += MRC_TSETH_LEN, reth += MRC_TSETH_LEN;
+	if (bth[8] & MRC_BTH_B8_TS) {
+		hdr += MRC_TSETH_LEN;
+		reth += MRC_TSETH_LEN;
+		ts = (uint32_t)get16(meth + MRC_METH_LEN) + 1;
+	}
 	if (ip_end < hdr + pad + MRC_ICRC_LEN) {
 		e->st.truncated++;
 		return;
@@ -1012,6 +1023,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		q->st.rx_dup++;
 		q->ack_psn = psn;
 		q->ack_ev = ev;
+		q->ack_ts = ts;
 		q->ack_now = 1;
 		return;
 	}
@@ -1077,6 +1089,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	}
 	q->ack_psn = psn;
 	q->ack_ev = ev;
+	q->ack_ts = ts;
 	q->ack_pending++;
 	if (ce) {
 		/* its own SACK at once: M=SKIP_ONCE must echo the EV of the marked packet */
@@ -1241,6 +1254,15 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		if ((bm >> i & 1) && psn_sub(p, q->snd_una) < span)
 			acked += ack_one(q, p);
 	}
+	if (e->o.timestamps && get16(h + MRC_SETH_LEN)) {
+		/* a reflected timestamp times retransmissions too (no Karn ambiguity) */
+		uint32_t us = ((uint32_t)(now / 1000) - get16(h + MRC_SETH_LEN)) & 0xFFFF;
+
+		rtt = (uint64_t)us * 1000;
+		if (!rtt)
+			rtt = 1;
+		q->st.rtt_ts++;
+	}
 	if (rtt)
 		rtt_sample(e, q, rtt);
 	/* RACK, as the datapath's sack_losses(): holes well below the newest SACKed PSN,
@@ -1361,7 +1383,7 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 		rx_data(e, q, f, ip_end, ev, (tc & 3) == 3);
 	} else if (op == MRC_OP_SACK) {
 		e->st.rx_sack++;
-		if (ip_end < OFF_EXT + MRC_SETH_LEN + MRC_ICRC_LEN) {
+		if (ip_end < OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN + MRC_ICRC_LEN) {
 			e->st.truncated++;
 			return;
 		}

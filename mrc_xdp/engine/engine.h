@@ -78,6 +78,8 @@ struct mrc_eng_opts {
 	uint32_t loss_reorder;      /* SACK holes this far below the newest SACKed PSN are lost (32) */
 	uint32_t window;            /* PSN window (MPR) in packets, power of 2, 128..16384 (512: the
 	                             * datapath attributes feedback only within MRC_PSN_RING) */
+	uint32_t timestamps;        /* 1: TSETH on every data packet (BTH TS bit), reflected in the
+	                             * SACK's CC_STATE: RTT samples from retransmissions too */
 	/* NSCC-style congestion window */
 	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
 	uint32_t cc_min_cwnd;       /* bytes (default 1 packet) */
@@ -155,6 +157,7 @@ struct mrc_qp_stats {
 	uint64_t rcv_cack;          /* receiver: every PSN below has arrived */
 	uint64_t peer_mpr;          /* the peer's advertised window, PSNs */
 	uint64_t retries;           /* consecutive timeouts now */
+	uint64_t rtt_ts;            /* RTT samples from reflected TSETH timestamps */
 };
 
 struct mrc_eng;
