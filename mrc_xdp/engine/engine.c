@@ -773,6 +773,10 @@ static void tx_kick(struct mrc_eng *e)
 
 	if (!e->tx_pending)
 		return;
+	if (!xsk_ring_prod__needs_wakeup(&e->tx)) {  /* zero copy: the driver is polling */
+		e->tx_pending = 0;
+		return;
+	}
 	/* copy mode sends at most 32 descriptors per call (-EAGAIN: more left) */
 	for (i = 0; i < 64; i++) {
 		if (sendto(e->xsk_fd, NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0)
