@@ -1,0 +1,513 @@
+#!/usr/bin/env python3
+"""The transport engine against the kernel's own transports, in one run, on one machine.
+
+    sudo .venv/bin/python tools/bench_transport.py [--part a|b|all] [--reps 3] [--seconds 4]
+                                                  [--rate 100mbit] [--mtu 1500] [--json]
+
+(a) Live pair: two namespaces, two planes (veths p0, p1), no switches, the datapath
+    loaded on both.  One MRC QP (`mrc-xdp write-bw`, payload = the engine's default for
+    the mrc0 MTU) vs one iperf3 UDP flow (-b 0, the same payload size) vs one iperf3 TCP
+    flow, on the same plane veths, interleaved, --reps repetitions; then 8-byte
+    `mrc-xdp write-lat` p50/p99 vs a TCP request/response of 8 bytes (Python, both ends,
+    as the MRC side is driven from Python too).
+(b) The default lab in ecmp mode with link rates set through the link model: T0-T1
+    links at --rate, host links at twice that, so the T0-T1 links are the bottleneck and
+    the host-to-host fabric capacity h0 -> h2 is 2 planes x 2 T1s x rate.  One MRC QP vs
+    one TCP flow vs MPTCP (one subflow per plane NIC; then a full mesh of 2 x 2
+    subflows, as many as the fabric has paths) vs 4 TCP flows, each as a fraction of that
+    capacity (goodput at the receiver); MRC in srv6 mode too (a second lab).  TCP and
+    MPTCP run over the lab's control path (mrc_xdp.bootstrap.lab_control_path): one
+    address per plane NIC, routed by the plane's switches, which hash flows over T1s.
+
+Figures are goodput measured at the receiver.  Every run also reports how its packets
+spread over h0's T0 -> T1 uplinks (link-model counters), which explains TCP's share.
+Nothing here asserts a speed: it prints figures and ratios.  Namespaces and labs get
+unique names and are removed at the end, also on error or Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mrc_xdp import bootstrap, loader, netns  # noqa: E402
+from mrc_xdp.config import HostConfig  # noqa: E402
+
+CLI = [sys.executable, "-m", "mrc_xdp.cli"]
+IPPROTO_MPTCP = 262
+TAG = "%x%s" % (os.getpid() & 0xffff, uuid.uuid4().hex[:3])
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ns_cmd(ns, argv, **kw):
+    return subprocess.run(["nsenter", "--net=/run/netns/" + ns] + list(argv), **kw)
+
+
+def ip(ns, *a):
+    r = ns_cmd(ns, ["ip"] + list(a), capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError("ip %s (in %s): %s" % (" ".join(a), ns, r.stderr.strip()))
+    return r.stdout
+
+
+def mbps(bps) -> str:
+    return "%.1f Mbit/s" % (bps / 1e6)
+
+
+# ------------------------------------------------------------------ kernel baselines
+
+_PORTS = 0
+
+def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=None):
+    """Goodput (bits/s at the receiver) of iperf3 TCP (udp_len None) or UDP -b 0."""
+    global _PORTS
+    _PORTS += 1
+    port = port or 5201 + (os.getpid() + _PORTS) % 2000
+    srv = subprocess.Popen(["nsenter", "--net=/run/netns/" + server_ns, "iperf3", "-s", "-1", "--forceflush",
+                            "-B", addr, "-p", str(port)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        while "listening" not in seen:         # "Server listening on PORT" once it listens
+            line = srv.stdout.readline()
+            if not line:
+                raise RuntimeError("iperf3 server: %s" % seen.strip()[-300:])
+            seen += line
+        argv = ["iperf3", "-c", addr, "-p", str(port), "-t", str(seconds), "-J", "-P", str(parallel)]
+        if udp_len:
+            argv += ["-u", "-b", "0", "-l", str(udp_len)]
+        r = ns_cmd(client_ns, argv, capture_output=True, text=True, timeout=seconds + 30)
+        j = json.loads(r.stdout)
+        if "error" in j or "sum_received" not in j.get("end", {}) and not udp_len:
+            raise RuntimeError("iperf3: %s" % j.get("error", "no result (%s)" % r.stdout[-300:]))
+        if udp_len:
+            s = j["end"]["sum"]
+            got = (s["packets"] - s["lost_packets"]) * udp_len * 8
+            return got / s["seconds"], {"lost_percent": s["lost_percent"]}
+        return j["end"]["sum_received"]["bits_per_second"], {
+            "retransmits": j["end"]["sum_sent"].get("retransmits")}
+    finally:
+        with contextlib.suppress(Exception):
+            srv.wait(timeout=5)
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+
+
+def stream(server_ns, client_ns, dst, seconds, proto=socket.IPPROTO_TCP, src=None):
+    """One (MP)TCP stream client -> server; goodput at the receiver (bits/s)."""
+    global _PORTS
+    _PORTS += 1
+    port = 15000 + (os.getpid() + _PORTS) % 1000
+    ls = netns.run(server_ns, socket.socket, socket.AF_INET6, socket.SOCK_STREAM, proto)
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((dst, port))
+    ls.listen(1)
+    got = {"bytes": 0}
+
+    def rx():
+        c, _ = ls.accept()
+        buf = bytearray(1 << 20)
+        t0 = None
+        n = 0
+        while True:
+            k = c.recv_into(buf)
+            if not k:
+                break
+            if t0 is None:
+                t0 = time.monotonic()
+            n += k
+        got["bytes"], got["secs"] = n, time.monotonic() - t0
+        c.close()
+    t = threading.Thread(target=rx)
+    t.start()
+    cs = netns.run(client_ns, socket.socket, socket.AF_INET6, socket.SOCK_STREAM, proto)
+    if src:
+        cs.bind((src, 0))
+    cs.connect((dst, port))
+    data = b"\x5a" * (1 << 18)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        cs.sendall(data)
+    cs.close()
+    t.join(seconds + 30)
+    ls.close()
+    return got["bytes"] * 8 / got["secs"]
+
+
+def tcp_rr(server_ns, client_ns, dst, iters=3000, size=8):
+    """8-byte TCP request/response round trips (both ends Python): p50, p99 in us."""
+    port = 16000 + os.getpid() % 1000
+    ls = netns.run(server_ns, socket.socket, socket.AF_INET6, socket.SOCK_STREAM)
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((dst, port))
+    ls.listen(1)
+
+    def echo():
+        c, _ = ls.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            b = c.recv(size, socket.MSG_WAITALL)
+            if len(b) < size:
+                break
+            c.sendall(b)
+        c.close()
+    t = threading.Thread(target=echo)
+    t.start()
+    cs = netns.run(client_ns, socket.socket, socket.AF_INET6, socket.SOCK_STREAM)
+    cs.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    cs.connect((dst, port))
+    msg = b"12345678"[:size].ljust(size, b"\0")
+    lat = []
+    for i in range(iters + 200):
+        t0 = time.perf_counter_ns()
+        cs.sendall(msg)
+        cs.recv(size, socket.MSG_WAITALL)
+        if i >= 200:
+            lat.append((time.perf_counter_ns() - t0) / 1000)
+    cs.close()
+    t.join(10)
+    ls.close()
+    lat.sort()
+    return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)], "iters": iters}
+
+
+# ------------------------------------------------------------------ MRC through the CLI
+
+def engine_available() -> str | None:
+    try:
+        from mrc_xdp import transport
+        transport._engine()
+        return None
+    except Exception as e:     # reported as a line of the output
+        return str(e).splitlines()[0]
+
+
+def mrc_perf(kind, server, client, peer_addr, port, extra=(), timeout=180):
+    """Run `mrc-xdp write-bw|write-lat` server and client (--json); the client's result."""
+    s_inst, s_ns = server
+    c_inst, c_ns = client
+    srv = subprocess.Popen(CLI + [kind, "-i", s_inst, "--netns", s_ns, "--port", str(port),
+                                  "--bind", peer_addr, "--json"] + list(extra),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        r = subprocess.run(CLI + [kind, peer_addr, "-i", c_inst, "--netns", c_ns, "--port", str(port),
+                                  "--json"] + list(extra), capture_output=True, text=True, timeout=timeout)
+        so, se = srv.communicate(timeout=30)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    if r.returncode:
+        raise RuntimeError("mrc-xdp %s client: %s" % (kind, (r.stderr.strip() or r.stdout.strip())[-400:]))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ (a) live pair
+
+class Pair:
+    A_ADDR, B_ADDR = "fd00:79::a", "fd00:79::b"
+    A_P0, B_P0 = "fd00:79:1::a", "fd00:79:1::b"
+
+    def __init__(self, mtu: int):
+        self.a, self.b = "btA-" + TAG, "btB-" + TAG
+        self.ia, self.ib = "btA-" + TAG, "btB-" + TAG
+        self.mtu = mtu
+        self.made = []
+
+    def up(self):
+        for n in (self.a, self.b):
+            netns.create(n)
+            self.made.append(n)
+            ip(n, "link", "set", "lo", "up")
+            ip(n, "link", "add", "mrc0", "mtu", str(self.mtu), "type", "veth", "peer", "name", "mrc0p",
+               "mtu", str(self.mtu))
+        for p in ("p0", "p1"):
+            ip(self.a, "link", "add", p, "mtu", str(self.mtu), "type", "veth", "peer", "name", p,
+               "netns", self.b, "mtu", str(self.mtu))
+        for n in (self.a, self.b):
+            for d in ("mrc0", "mrc0p", "p0", "p1"):
+                ip(n, "link", "set", d, "up")
+        ip(self.a, "addr", "add", self.A_P0 + "/64", "dev", "p0", "nodad")
+        ip(self.b, "addr", "add", self.B_P0 + "/64", "dev", "p0", "nodad")
+
+        def mac(ns, dev):
+            return json.loads(ip(ns, "-j", "link", "show", dev))[0]["address"]
+
+        def cfg(inst, local, peer, gws):
+            return HostConfig.from_dict({
+                "instance": inst, "mode": "ecmp", "local_addr": local,
+                "planes": [{"dev": "p%d" % i, "gateway_mac": m} for i, m in enumerate(gws)]})
+        loader.load(cfg(self.ia, self.A_ADDR, self.B_ADDR, [mac(self.b, "p0"), mac(self.b, "p1")]), netns_name=self.a)
+        loader.load(cfg(self.ib, self.B_ADDR, self.A_ADDR, [mac(self.a, "p0"), mac(self.a, "p1")]), netns_name=self.b)
+        # the engines reach each other's MRC address through mrc0 (spray); the kernel
+        # needs a neighbour entry for it (the datapath rewrites the MACs anyway)
+        for ns, peer in ((self.a, self.B_ADDR), (self.b, self.A_ADDR)):
+            ip(ns, "addr", "add", (self.A_ADDR if ns == self.a else self.B_ADDR) + "/64", "dev", "mrc0", "nodad")
+            ip(ns, "neigh", "replace", peer, "lladdr", mac(ns, "mrc0p"), "dev", "mrc0", "nud", "permanent")
+        return self
+
+    def down(self):
+        for i in (self.ia, self.ib):
+            with contextlib.suppress(Exception):
+                loader.unload(i, quiet_missing=True)
+        for n in self.made:
+            with contextlib.suppress(Exception):
+                netns.delete(n)
+
+
+def part_a(args, out):
+    pr = Pair(args.mtu)
+    try:
+        pr.up()
+        from mrc_xdp.transport import default_payload
+        payload = default_payload(args.mtu)
+        log("(a) live pair: MTU %d on every veth, MRC payload %d B, UDP payload %d B, %d x %d s"
+            % (args.mtu, payload, payload, args.reps, args.seconds))
+        no_engine = engine_available()
+        rows = {"mrc": [], "udp": [], "tcp": []}
+        for rep in range(args.reps):
+            if no_engine is None:
+                r = mrc_perf("write-bw", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18515 + rep,
+                             ["--duration", str(args.seconds), "--size", str(args.msg_size)])
+                rows["mrc"].append(r["bw_avg_bps"])
+                log("  rep %d  MRC  %s" % (rep + 1, mbps(r["bw_avg_bps"])))
+            bps, info = iperf3(pr.b, pr.a, pr.B_P0, args.seconds, udp_len=payload)
+            rows["udp"].append(bps)
+            log("  rep %d  UDP  %s (lost %.1f%%)" % (rep + 1, mbps(bps), info["lost_percent"]))
+            bps, info = iperf3(pr.b, pr.a, pr.B_P0, args.seconds)
+            rows["tcp"].append(bps)
+            log("  rep %d  TCP  %s (retransmits %s)" % (rep + 1, mbps(bps), info["retransmits"]))
+        res = {k: {"runs": v, "median": statistics.median(v)} for k, v in rows.items() if v}
+        res["tcp_rr_8B"] = tcp_rr(pr.b, pr.a, pr.B_P0)
+        log("  TCP 8-byte request/response: p50 %.1f us, p99 %.1f us" % (
+            res["tcp_rr_8B"]["p50_us"], res["tcp_rr_8B"]["p99_us"]))
+        if no_engine is None:
+            r = mrc_perf("write-lat", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18600, ["--size", "8", "--iters", "3000"])
+            res["mrc_lat_8B"] = r
+            log("  MRC 8-byte write-lat round trip: p50 %.1f us, p99 %.1f us" % (r["rtt_p50_us"], r["rtt_p99_us"]))
+        else:
+            res["mrc"] = {"skipped": no_engine}
+        res.update(mtu=args.mtu, payload=payload)
+        out["a"] = res
+    finally:
+        pr.down()
+
+
+# ------------------------------------------------------------------ (b) lab
+
+def uplinks(topo, lm, src="h0"):
+    ends = {name: rx.ifindex for name, rx, _, _ in topo.link_ends()}
+    t0 = topo.host(src).t0
+    return {"p%dt1s%d" % (p, j): lm.counters(ends["%s>%s" % (topo.t0_name(p, t0), topo.t1_name(p, j))])["pkts"]
+            for p in range(topo.planes) for j in range(topo.t1_per_plane)}
+
+
+def spread(before, after):
+    d = {k: after[k] - before[k] for k in after}
+    tot = sum(d.values()) or 1
+    return {k: round(v / tot, 3) for k, v in d.items()}
+
+
+def mptcp_setup(prefix, addrs, mesh: bool):
+    for h in ("h0", "h2"):
+        ns = prefix + h
+        ip(ns, "mptcp", "endpoint", "flush")
+        ip(ns, "mptcp", "limits", "set", "subflow", "8", "add_addr_accepted", "8")
+    if mesh:
+        ip(prefix + "h2", "mptcp", "endpoint", "add", addrs["h2"][1], "dev", "p1", "signal")
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][0], "dev", "p0", "subflow", "fullmesh")
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "dev", "p1", "subflow", "fullmesh")
+    else:
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "dev", "p1", "subflow")
+
+
+def lab_up(mode, rate, progress=log):
+    from mrc_xdp.lab import fabric, hosts, topology
+    from mrc_xdp.lab import linkmodel as lmod
+    prefix = "bt%s%s-" % (mode[0], TAG[:5])
+    st = fabric.up(topology.load(mode=mode), prefix=prefix, hosts_hook=hosts.fabric_hook)
+    topo = fabric.topology_of(st)
+    lm = lmod.LinkModel.open(st["pin_dir"])
+    for lk in topo.links:
+        for name, rx, tx in lk.ends():
+            lm.update(rx.ifindex, rate_bps=rate * (1 if lk.tier == "fabric" else 2))
+    return prefix, topo, lm
+
+
+def lab_down(prefix):
+    from mrc_xdp.lab import fabric, hosts
+    with contextlib.suppress(Exception):
+        fabric.down(prefix, unload_hosts=hosts.unload_all)
+
+
+def shape(prefix, topo, rate, on: bool):
+    """tbf at the sending end of every link, at the link model's rate: a real queue
+    (the phantom queue only counts; it never delays), for transports that need ACK
+    clocking.  XDP-redirected frames (a host's datapath to its plane NIC) skip qdiscs."""
+    for lk in topo.links:
+        r = rate * (1 if lk.tier == "fabric" else 2)
+        for name, rx, tx in lk.ends():
+            ns = prefix + tx.node
+            if on:
+                ns_cmd(ns, ["tc", "qdisc", "replace", "dev", tx.ifname, "root", "tbf", "rate", str(r),
+                            "burst", "16kb", "limit", str(topo.linkmodel.drop_bytes)], check=True)
+            else:
+                ns_cmd(ns, ["tc", "qdisc", "del", "dev", tx.ifname, "root"], capture_output=True)
+
+
+def part_b(args, out):
+    from mrc_xdp.lab import topology
+    rate = topology.parse_rate(args.rate)
+    no_engine = engine_available()
+    res = {}
+    for mode in (["ecmp", "srv6"] if no_engine is None else ["ecmp"]):
+        prefix = None
+        try:
+            prefix, topo, lm = lab_up(mode, rate)
+            cap = topo.planes * topo.t1_per_plane * rate
+            addrs = bootstrap.lab_control_path(prefix, topo)
+            h0, h2 = prefix + "h0", prefix + "h2"
+            for h in (h0, h2):      # a TCP flow keeps its path (no re-hash on RTO), as on hardware ECMP
+                netns.run(h, bootstrap._sysctl, "net.core.txrehash", "0")
+            dst = addrs["h2"][0]
+            r = {"capacity_bps": cap, "rate_t0t1_bps": rate, "rate_host_bps": 2 * rate}
+            for shaped in {"no": [False], "yes": [False, True], "only": [True]}[args.shape]:
+                shape(prefix, topo, rate, shaped)
+                cfg = "linkmodel+tbf" if shaped else "linkmodel"
+                log("(b) lab %s mode, %s: T0-T1 links %s, host links %s, h0 -> h2 capacity %s, %d s per run"
+                    % (mode, cfg, mbps(rate), mbps(2 * rate), mbps(cap), args.seconds))
+                runs = []
+                if no_engine is None and not shaped:   # MRC runs on the link model as designed
+                    runs.append(("mrc_1qp", lambda: mrc_perf(
+                        "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst, 18515,
+                        ["--duration", str(args.seconds), "--size", str(args.msg_size)])))
+                if mode == "ecmp":
+                    runs += [
+                        ("tcp_1flow", lambda: iperf3(h2, h0, dst, args.seconds)[0]),
+                        ("mptcp_2subflows", lambda: (mptcp_setup(prefix, addrs, False),
+                                                     stream(h2, h0, dst, args.seconds, IPPROTO_MPTCP))[1]),
+                        ("mptcp_4subflows", lambda: (mptcp_setup(prefix, addrs, True),
+                                                     stream(h2, h0, dst, args.seconds, IPPROTO_MPTCP))[1]),
+                        ("tcp_4flows", lambda: iperf3(h2, h0, dst, args.seconds, parallel=4)[0]),
+                    ]
+                rc = r.setdefault(cfg, {})
+                for name, fn in runs:
+                    time.sleep(1)         # the phantom queues drain between runs
+                    b = uplinks(topo, lm)
+                    try:
+                        x = fn()
+                    except RuntimeError as e:
+                        log("  %-16s failed: %s" % (name, str(e)[-200:]))
+                        rc[name] = {"error": str(e)[-300:]}
+                        continue
+                    bps = x["bw_avg_bps"] if isinstance(x, dict) else x
+                    sp = spread(b, uplinks(topo, lm))
+                    rc[name] = {"bps": bps, "fraction": bps / cap, "uplink_share": sp}
+                    extra = ""
+                    if isinstance(x, dict):
+                        q = x["qp_stats"]
+                        rc[name]["qp_stats"] = q
+                        extra = "  (rtx %d of %d pkts, ECN SACKs %d, trims %d)" % (
+                            q["rtx_pkts"], q["tx_pkts"], q["sacks_rx_ecn"], q["nacks_rx_trim"])
+                    log("  %-16s %10s  %5.1f%% of capacity   uplinks %s%s" % (
+                        name, mbps(bps), 100 * bps / cap,
+                        " ".join("%s:%.0f%%" % (k, 100 * v) for k, v in sp.items()), extra))
+                shape(prefix, topo, rate, False)
+            res[mode] = r
+        finally:
+            if prefix:
+                with contextlib.suppress(Exception):
+                    lm.close()
+                lab_down(prefix)
+    if no_engine is not None:
+        res["mrc"] = {"skipped": no_engine}
+    out["b"] = res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=["a", "b", "all"], default="all")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=4)
+    ap.add_argument("--rate", default="100mbit", help="T0-T1 link rate in (b); host links get twice it")
+    ap.add_argument("--mtu", type=int, default=1500, help="MTU of the pair's veths in (a)")
+    ap.add_argument("--msg-size", type=int, default=1 << 20, help="MRC write size for write-bw")
+    ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
+    ap.add_argument("--shape", choices=["no", "yes", "only"], default="yes",
+                    help="(b) also (yes) or only run every transport with tbf at each link's rate (a real queue)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_transport: needs root (namespaces, XDP): run with sudo", file=sys.stderr)
+        return 2
+    out: dict = {}
+    t0 = time.monotonic()
+    if args.no_mrc:
+        global engine_available
+        engine_available = lambda: "--no-mrc"   # noqa: E731
+    try:
+        if args.part in ("a", "all"):
+            part_a(args, out)
+        if args.part in ("b", "all"):
+            part_b(args, out)
+    except KeyboardInterrupt:
+        return 130
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    summary(out)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def summary(out):
+    a, b = out.get("a"), out.get("b")
+    print("== bench_transport (%.0f s)" % out["seconds"])
+    if a:
+        print("(a) live pair, MTU %d, payload %d B (medians of %d runs):" % (a["mtu"], a["payload"], len(a["udp"]["runs"])))
+        for k in ("mrc", "udp", "tcp"):
+            if "median" in a.get(k, {}):
+                print("    %-4s %s   runs: %s" % (k.upper(), mbps(a[k]["median"]),
+                                                 ", ".join("%.1f" % (x / 1e6) for x in a[k]["runs"])))
+        if "median" in a.get("mrc", {}):
+            print("    MRC / UDP = %.2fx   MRC / TCP = %.2fx" % (a["mrc"]["median"] / a["udp"]["median"],
+                                                             a["mrc"]["median"] / a["tcp"]["median"]))
+        else:
+            print("    MRC: not measured (%s)" % a.get("mrc", {}).get("skipped"))
+        rr = a["tcp_rr_8B"]
+        print("    8-byte latency: TCP request/response p50 %.1f us p99 %.1f us" % (rr["p50_us"], rr["p99_us"]))
+        if "mrc_lat_8B" in a:
+            m = a["mrc_lat_8B"]
+            print("                    MRC write-lat round trip p50 %.1f us p99 %.1f us (%.2fx / %.2fx TCP)" % (
+                m["rtt_p50_us"], m["rtt_p99_us"], m["rtt_p50_us"] / rr["p50_us"], m["rtt_p99_us"] / rr["p99_us"]))
+    if b:
+        for mode in ("ecmp", "srv6"):
+            if mode not in b:
+                continue
+            r = b[mode]
+            print("(b) lab %s: capacity h0 -> h2 %s (T0-T1 %s, host links %s)" % (
+                mode, mbps(r["capacity_bps"]), mbps(r["rate_t0t1_bps"]), mbps(r["rate_host_bps"])))
+            for cfg in ("linkmodel", "linkmodel+tbf"):
+                for k, v in r.get(cfg, {}).items():
+                    if "error" in v:
+                        print("    %-14s %-16s failed: %s" % (cfg, k, v["error"][-120:]))
+                        continue
+                    print("    %-14s %-16s %10s  %5.2f of capacity" % (cfg, k, mbps(v["bps"]), v["fraction"]))
+        if "mrc" in b:
+            print("    MRC: not measured (%s)" % b["mrc"]["skipped"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
