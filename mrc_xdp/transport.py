@@ -142,7 +142,7 @@ class MR:
         writable = bool(access & ACCESS_REMOTE_WRITE)
         try:
             self._cdata = ffi.from_buffer(buf, require_writable=writable)
-        except TypeError as e:
+        except (TypeError, BufferError) as e:
             raise TransportError("reg_mr: %s (remote write needs a writable buffer: bytearray, "
                                  "numpy array, mmap)" % e) from None
         self._buf = buf

@@ -220,6 +220,32 @@ def test_bad_rkey_and_out_of_region(eps, pair):
         ms.dereg()
 
 
+def test_buffer_kinds(eps, qp0):
+    """Memory regions over bytes (read-only: local access only), numpy and mmap."""
+    import mmap
+    import numpy as np
+    qa, qb = qp0
+    A, B = eps["A"], eps["B"]
+    size = 300000
+    src_bytes = os.urandom(size)
+    src_np = np.frombuffer(os.urandom(size), dtype=np.uint8).copy()
+    dst_mm = mmap.mmap(-1, 2 * size)
+    with pytest.raises(transport.TransportError, match="writable"):
+        B.reg_mr(src_bytes)                       # remote write into bytes: refused
+    m1 = A.reg_mr(src_bytes, access=transport.ACCESS_LOCAL)
+    m2 = A.reg_mr(src_np)
+    md = B.reg_mr(dst_mm)
+    try:
+        qa.post_write(1, m1, 0, size, md.addr, md.rkey)
+        qa.post_write(2, m2, 0, size, md.addr + size, md.rkey, imm=2)
+        ca, cb = wait_n(A, 2), wait_n(B, 1)
+        assert [(c.wr_id, c.ok) for c in ca] == [(1, True), (2, True)] and [c.imm for c in cb] == [2]
+        assert dst_mm[:size] == src_bytes and dst_mm[size:] == src_np.tobytes()
+    finally:
+        for m in (m1, m2, md):
+            m.dereg()
+
+
 def test_cq_fd_asyncio(eps, qp0):
     """The CQ's eventfd drives asyncio: await cq.wait() returns the completion."""
     import asyncio
