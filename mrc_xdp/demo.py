@@ -1,16 +1,20 @@
 """`mrc-xdp demo`: MRC on a lab fabric, explained as it runs.
 
 Brings up the default lab (2 planes x 2 T0 + 2 T1, 4 hosts) with the real datapath on
-every host, sends a stream of RDMA-Write frames h0 -> h2 that h2 answers with SACKs,
-shows how the packets are sprayed over all four paths, fails a T1 switch midway and
-shows the datapath retiring exactly the EVs (paths) through it while traffic goes on
-over the others, then tears the lab down.  Every figure printed is read live from the
-BPF maps: the link models' per-link counters and h0's pinned EV table and event ring.
+every host and a transport engine endpoint (AF_XDP) on h0 and h2, RDMA-Writes a real
+buffer h0 -> h2 over one queue pair and shows how its packets were sprayed over all four
+paths, then writes a bigger one and fails a T1 switch midway: the datapath retires
+exactly the EVs (paths) through it, the engine retransmits what was lost, and the
+buffer arrives intact (sha256 on both sides), with a goodput time line around the
+failure.  Then it tears the lab down.  Every figure printed is read live: the link
+models' per-link counters, h0's pinned EV table and event ring, the engine's per-QP
+counters.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
-import threading
 import time
 
 from . import bpfsys
@@ -19,7 +23,6 @@ from .lab import fabric, hosts, topology
 from .lab import linkmodel as lmod
 from .maps import Instance
 from .shared import EvReason, EvState, ffi
-from .traffic import Receiver, Sender
 
 PREFIX = "mrcdemo-"
 SRC, DST = "h0", "h2"
@@ -73,23 +76,93 @@ def _ev_rows(inst):
     return [r for r in inst.ev_table() if r["conn_name"] == DST]
 
 
-def _traffic(prefix, topo, n, pps):
-    s, d = topo.host(SRC), topo.host(DST)
-    rx = Receiver("mrc0", d.addr, {(s.addr, hosts.qpn(d.index, s.index)): hosts.qpn(s.index, d.index)},
-                  ns=prefix + DST, max_seconds=120, trimmed_dscp=topo.linkmodel.dscp_trimmed).start()
-    tx = Sender("mrc0", s.addr, d.addr, hosts.qpn(d.index, s.index), ns=prefix + SRC, payload=1024)
-    return rx, tx
+class _Transfer:
+    """One QP h0 -> h2 on the lab's QPNs: RDMA-Write a random buffer in 1 MiB Writes (the
+    last with immediate data), sample the receiver's placed bytes for a time line."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, topo, ep_s, ep_d, size):
+        s, d = topo.host(SRC), topo.host(DST)
+        self.ep_s, self.ep_d, self.size = ep_s, ep_d, size
+        self.data = bytearray(os.urandom(size))
+        self.dbuf = bytearray(size)
+        self.qs = ep_s.create_qp(qpn=hosts.qpn(s.index, d.index))
+        self.qd = ep_d.create_qp(qpn=hosts.qpn(d.index, s.index))
+        self.ms, self.md = ep_s.reg_mr(self.data), ep_d.reg_mr(self.dbuf)
+        self.qs.connect(self.qd.local_attrs())
+        self.qd.connect(self.qs.local_attrs())
+        self.samples = []            # (monotonic s, receiver bytes placed)
+
+    def run(self, at_fraction=None, action=None, timeout=120.0):
+        n = (self.size + self.CHUNK - 1) // self.CHUNK
+        base = self.qd.stats()["rx_bytes"]
+        t0 = time.monotonic()
+        for k in range(n):
+            off = k * self.CHUNK
+            self.qs.post_write(k, self.ms, off, min(self.CHUNK, self.size - off), self.md.addr + off,
+                               self.md.rkey, imm=n if k == n - 1 else None)
+        done, fired = 0, False
+        self.samples.append((t0, 0))
+        while done < n:
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError("demo: the transfer stalled (%d of %d MiB acknowledged)" % (done, n))
+            for c in self.ep_s.cq.poll(256):
+                if not c.ok:
+                    raise RuntimeError("demo: a write completed with %s" % c.status.name)
+                done += 1
+            placed = self.qd.stats()["rx_bytes"] - base
+            self.samples.append((time.monotonic(), placed))
+            if action and not fired and placed >= at_fraction * self.size:
+                fired = True
+                action()
+            time.sleep(0.005)
+        self.seconds = time.monotonic() - t0
+        imm = None
+        end = time.monotonic() + 5
+        while imm is None and time.monotonic() < end:
+            for c in self.ep_d.cq.poll(16):
+                if c.opcode == 1:
+                    imm = c.imm
+            time.sleep(0.002)
+        self.imm = imm
+        self.tx, self.rx = self.qs.stats(), self.qd.stats()
+        self.sha_s = hashlib.sha256(self.data).hexdigest()
+        self.sha_d = hashlib.sha256(self.dbuf).hexdigest()
+        return self
+
+    def close(self):
+        for q in (self.qs, self.qd):
+            q.destroy()
+        self.ms.dereg()
+        self.md.dereg()
+
+
+def _timeline(samples, t_fail, buckets=16) -> None:
+    """Goodput per interval (receiver's placed bytes), a bar each, the failure marked."""
+    t0, t1 = samples[0][0], samples[-1][0]
+    width = max((t1 - t0) / buckets, 0.01)
+    rows, j = [], 0
+    for b in range(buckets):
+        lo, hi = t0 + b * width, t0 + (b + 1) * width
+        before = max((v for t, v in samples if t <= lo), default=0)
+        upto = max((v for t, v in samples if t <= hi), default=0)
+        rows.append((lo - t0, hi - t0, (upto - before) * 8 / width))
+    peak = max(r[2] for r in rows) or 1
+    for lo, hi, bps in rows:
+        mark = "  <- T1 fails" if t_fail is not None and lo <= t_fail - t0 < hi else ""
+        _p("    %6.0f-%-6.0f ms %8.1f Mbit/s  %s%s" % (lo * 1000, hi * 1000, bps / 1e6, _bar(bps / peak, 40), mark))
 
 
 def run(args) -> None:
     mode = getattr(args, "mode", "srv6")
     n = max(2000, getattr(args, "packets", 20000))
-    pps = 20000
     _p("MRC (Multipath Reliable Connection) is the RDMA transport of large AI clusters. A NIC")
     _p("running MRC sends every packet of one connection down a different path (an \"entropy")
     _p("value\", EV) of a multi-plane fabric, and when feedback says a path is congested or")
     _p("broken it stops using that path at once, in the datapath. Here XDP programs do that")
-    _p("job on ordinary Linux hosts, on a lab fabric of network namespaces.")
+    _p("job on ordinary Linux hosts, on a lab fabric of network namespaces, and a transport")
+    _p("engine over AF_XDP makes it a reliable connection: lost packets are retransmitted.")
     _p()
     topo = topology.load(mode=mode)
     if fabric.running(PREFIX):
@@ -102,8 +175,10 @@ def run(args) -> None:
     _p("      lab up in %.1f s; every host runs the MRC datapath (spray + ingress XDP)" % (time.monotonic() - t0))
     topo = fabric.topology_of(st)
     try:
-        with lmod.LinkModel.open(st["pin_dir"]) as lm, Instance(PREFIX + SRC) as inst:
-            _demo(topo, lm, inst, n, pps, mode)
+        from . import transport
+        with lmod.LinkModel.open(st["pin_dir"]) as lm, Instance(PREFIX + SRC) as inst, \
+                transport.Endpoint(PREFIX + SRC) as ep_s, transport.Endpoint(PREFIX + DST) as ep_d:
+            _demo(topo, lm, inst, n, mode, ep_s, ep_d)
     finally:
         if getattr(args, "keep", False):
             _p("\n[5/5] leaving the lab up (--keep): `mrc-xdp lab status --prefix %s`, "
@@ -114,22 +189,21 @@ def run(args) -> None:
             _p("\n[5/5] lab torn down in %.1f s (namespaces, programs and pins removed)" % (time.monotonic() - t0))
 
 
-def _demo(topo, lm, inst, n, pps, mode):
+def _demo(topo, lm, inst, n, mode, ep_s, ep_d):
     d = topo.host(DST)
-    _p("\n[2/5] h0 sends %d RDMA-Write packets to %s (%s); a receiver on h2 answers each one with" % (n, DST, d.addr))
-    _p("      a SACK that echoes the EV the packet travelled on.")
+    size = (n * ep_s.payload) // (1 << 20) * (1 << 20) or (1 << 20)
+    _p("\n[2/5] h0 RDMA-Writes a %d MiB buffer into h2's memory (%s) over one queue pair: the" % (size >> 20, d.addr))
+    _p("      engine on h0 cuts it into %d-byte packets; the datapath sprays them; the engine on h2" % ep_s.payload)
+    _p("      places each one at its address and answers with SACKs that echo the packet's EV.")
     base_paths, base_evs = _paths(topo, lm), _ev_rows(inst)
-    rx, tx = _traffic(PREFIX, topo, n, pps)
-    try:
-        tx.send(n, pps=pps)
-        time.sleep(0.5)
-    finally:
-        rx.stop()
-        tx.close()
+    x = _Transfer(topo, ep_s, ep_d, size).run()
+    x.close()
     paths = _paths(topo, lm, base_paths)
-    _p("      sent %d, received %d, SACKs sent %d. Where the packets went (per-link counters of the" % (
-        tx.sent, rx.frames, rx.sacks))
-    _p("      fabric's uplinks out of h0's T0 switch, not h0's own bookkeeping):")
+    _p("      %d MiB in %.2f s (%.0f Mbit/s), %d packets sent, %d retransmitted; sha256 %s on" % (
+        size >> 20, x.seconds, size * 8 / x.seconds / 1e6, x.tx["tx_pkts"], x.tx["rtx_pkts"], x.sha_s[:16]))
+    _p("      h0, %s on h2: %s. Where the packets went (per-link counters of the fabric's" % (
+        x.sha_d[:16], "intact" if x.sha_s == x.sha_d else "CORRUPTED"))
+    _p("      uplinks out of h0's T0 switch, not h0's own bookkeeping):")
     _print_paths(paths)
     _p("      Every packet got the next EV of a pseudo-random rotation; planes alternate, so each")
     _p("      plane carries exactly half. The EVs of connection h0 -> h2:")
@@ -139,14 +213,15 @@ def _demo(topo, lm, inst, n, pps, mode):
         _p("      (ecmp mode: each T0 hashes an EV onto one of its T1s; at lab up every host probed")
         _p("      candidate EVs to learn which T1 each one takes, and kept equal numbers per T1.)")
 
-    _p("\n[3/5] now T1 switch %s (plane 0) fails: every packet into it is dropped (blackhole)." % FAIL)
-    _p("      h0 is not told. It sees holes in h2's SACK bitmaps, looks up which EV carried each")
-    _p("      lost PSN, and retires that EV in the datapath (ASSUMED_BAD), putting a backup EV of")
-    _p("      the SAME plane in its place so both planes stay equally loaded.")
+    big = 4 * size
+    _p("\n[3/5] h0 writes a %d MiB buffer, and when 30%% of it has arrived T1 switch %s (plane 0)" % (big >> 20, FAIL))
+    _p("      fails: every packet into it is dropped (blackhole). h0 is not told. Its datapath sees")
+    _p("      holes in h2's SACK bitmaps, looks up which EV carried each lost PSN, and retires that")
+    _p("      EV (ASSUMED_BAD), putting a backup EV of the SAME plane in its place; the engine")
+    _p("      retransmits the lost packets on the paths that work.")
     base_paths = _paths(topo, lm)
-    rx, tx = _traffic(PREFIX, topo, n, pps)
-    t_fail = [0]
     events = []
+    t_fail = [None]
 
     def on_event(raw):
         e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
@@ -156,33 +231,38 @@ def _demo(topo, lm, inst, n, pps, mode):
     while ring.poll(0) > 0:       # drop events from phase 2 (SKIP churn, if any)
         pass
     events.clear()
-    try:
-        sender = threading.Thread(target=tx.send, args=(n,), kwargs={"pps": pps}, daemon=True)
-        sender.start()
-        time.sleep(0.25 * n / pps)                 # a quarter of the stream on the healthy fabric
-        t_fail[0] = time.monotonic_ns()
+
+    def fail():
+        t_fail[0] = time.monotonic()
+        t_fail.append(time.monotonic_ns())
         labcli.fail(PREFIX, FAIL)
-        while sender.is_alive():
-            ring.poll(50)
-        sender.join()
-        time.sleep(0.5)
+    try:
+        x = _Transfer(topo, ep_s, ep_d, big).run(at_fraction=0.3, action=fail)
+        x.close()
         while ring.poll(10) > 0:
             pass
     finally:
-        rx.stop()
-        tx.close()
         ring.close()
     paths = _paths(topo, lm, base_paths)
     retired = [e for e in events if e[5] == "ASSUMED_BAD"]
-    _p("      sent %d, received %d (%.1f%%), SACKs %d." % (tx.sent, rx.frames, 100.0 * rx.frames / max(tx.sent, 1), rx.sacks))
-    if retired:
+    _p("      %d MiB in %.2f s; sha256 %s on h0, %s on h2: %s (immediate data %s)." % (
+        big >> 20, x.seconds, x.sha_s[:16], x.sha_d[:16],
+        "the buffer arrived INTACT" if x.sha_s == x.sha_d else "CORRUPTED", x.imm))
+    tx = x.tx
+    _p("      %d packets sent, %d retransmitted (%.2f%%): %d found lost in SACK bitmaps, %d by timeout," % (
+        tx["tx_pkts"], tx["rtx_pkts"], 100.0 * tx["rtx_pkts"] / max(tx["tx_pkts"], 1), tx["rtx_sack"], tx["rtx_timeout"]))
+    _p("      %d after NACK TRIMMED; RTO expiries %d, smoothed RTT %.0f us." % (
+        tx["rtx_nack_trim"], tx["timeouts"], tx["srtt_ns"] / 1000))
+    if retired and len(t_fail) > 1:
         first, last = retired[0][0], retired[-1][0]
         _p("      first EV retired %.2f ms after the failure, the last one %.2f ms after it; %d EVs" % (
-            (first - t_fail[0]) / 1e6, (last - t_fail[0]) / 1e6, len(retired)))
+            (first - t_fail[1]) / 1e6, (last - t_fail[1]) / 1e6, len(retired)))
         _p("      retired, %d backups promoted, no operator and no user space in the loop." % (
             sum(1 for e in events if e[6] == "REPLACED")))
     else:
-        _p("      no EV was retired: the stream may have been too short to see losses.")
+        _p("      no EV was retired: the transfer may have been too short to see losses.")
+    _p("      Goodput at h2 (bytes placed) around the failure:")
+    _timeline(x.samples, t_fail[0])
     _p("      Packets per path during this phase (the failed T1 stops receiving them):")
     _print_paths(paths)
     after2 = _ev_rows(inst)
