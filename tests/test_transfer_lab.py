@@ -13,7 +13,6 @@ rounds and SACK losses are covered by the factor 4).  No speed is asserted.
 """
 import hashlib
 import os
-import threading
 import time
 import uuid
 
