@@ -19,6 +19,7 @@ import sys
 from . import fabric
 from . import linkmodel as lmod
 from . import topology as topomod
+from .executor import ExecError
 from .topology import format_rate, parse_rate
 
 ENV_PREFIX = "MRC_LAB_PREFIX"
@@ -262,9 +263,23 @@ def _progress(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _target(args) -> str:
+    return "qemu" if args.vm and args.target == "netns" else args.target
+
+
 def cmd_up(args) -> int:
     fabric.require_root()
     topo = topomod.load(args.topology, mode=args.mode)
+    target = _target(args)
+    if target != "netns":
+        from . import vm
+        up = vm.qemu_up if target == "qemu" else vm.vagrant_up
+        try:
+            up(topo, prefix=args.prefix, progress=_progress, hosts=not args.no_hosts)
+        except fabric.LabAlreadyUp:
+            print("VM lab %r is already up: `mrc-xdp lab vm status --prefix %s` shows it"
+                  % (args.prefix, args.prefix))
+        return 0
     try:
         hook = None if args.no_hosts else _hosts_hook()
         st = fabric.up(topo, prefix=args.prefix, progress=_progress, hosts_hook=hook)
@@ -298,6 +313,11 @@ def _unload_hook():
 
 
 def cmd_down(args) -> int:
+    from . import vm
+    if vm.is_vm_lab(args.prefix):
+        vm.down(args.prefix, progress=_progress)
+        if not os.path.exists(fabric.state_path(args.prefix)):
+            return 0
     res = fabric.down(args.prefix, progress=_progress, unload_hosts=_unload_hook())
     if not (res["netns"] or res["pins"] or res["state_file"]):
         print("lab %r was not up: nothing to remove" % args.prefix)
@@ -386,12 +406,83 @@ def cmd_heal(args) -> int:
     return 0
 
 
+def cmd_render(args) -> int:
+    from . import vm
+    topo = topomod.load(args.topology, mode=args.mode)
+    r = vm.render(topo, args.prefix)
+    text = json.dumps(r, indent=1) + "\n"
+    if args.output:
+        d = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(d, exist_ok=True)
+        with open(args.output, "w") as f:
+            f.write(text)
+        print("%s: %d VMs, %d links (%s); `vagrant up` in %s reads it%s"
+              % (args.output, len(r["nodes"]), len(r["links"]), topo.summary().split(":")[0],
+                 d, "" if os.path.basename(args.output) == "topology.json" and
+                 os.path.samefile(d, vm.VAGRANT_DIR) else " with MRC_LAB_JSON=" + args.output))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_vm_build_box(args) -> int:
+    from . import vm
+    import shutil
+    if args.no_vagrant or not shutil.which("vagrant"):
+        vm.build_image(_progress, force=args.force)
+        if not args.no_vagrant:
+            print("vagrant is not installed: image built, no box added (`make vm-setup` installs vagrant)")
+    else:
+        vm.build_box(_progress, force=args.force)
+    return 0
+
+
+def cmd_vm_status(args) -> int:
+    from . import vm
+    st = vm.load_state(args.prefix)
+    nodes = st.get("plan", {}).get("nodes", {})
+    out = {"prefix": st["prefix"], "target": st["target"], "complete": st.get("complete"),
+           "accel": st.get("accel"), "accel_reason": st.get("accel_reason"),
+           "up_s": st.get("up_s"), "boot_s": st.get("boot_s"),
+           "nodes": {n: {"kind": d["kind"], "ssh": " ".join(st["ssh"][n]) if n in st.get("ssh", {}) else None,
+                         "nics": {c["ifname"]: c["link"] for c in d["nics"]}} for n, d in nodes.items()}}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print("VM lab %r (%s, %s: %s)%s" % (out["prefix"], out["target"], out["accel"], out["accel_reason"],
+                                       "  up in %.0fs" % out["up_s"] if out["up_s"] else "  [incomplete]"))
+    for n, d in out["nodes"].items():
+        print("  %-8s %-6s %s" % (n, d["kind"], " ".join("%s:%s" % kv for kv in d["nics"].items())))
+    return 0
+
+
+def cmd_vm_ssh(args) -> int:
+    from . import vm
+    st = vm.load_state(args.prefix)
+    if args.node not in st.get("ssh", {}):
+        raise UsageError("no VM %r (VMs: %s)" % (args.node, ", ".join(st.get("ssh", {}))))
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    argv = st["ssh"][args.node] + ([" ".join(cmd)] if cmd else [])
+    if not cmd:
+        argv = [a for a in argv if a != "BatchMode=yes"]
+        argv.insert(1, "-t")
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+
+
+def cmd_vm_fail(args) -> int:
+    from . import vm
+    (vm.heal if args.heal else vm.fail)(args.prefix, args.node)
+    print("%s %s" % ("resumed" if args.heal else "froze (failed)", args.node))
+    return 0
+
+
 def _guard(fn):
     def run(args) -> int:
         try:
             fabric.require_root()
             return fn(args)
-        except (fabric.LabError, topomod.TopologyError, lmod.LinkModelError) as e:
+        except (fabric.LabError, topomod.TopologyError, lmod.LinkModelError, ExecError) as e:
             print("mrc-xdp lab: %s" % e, file=sys.stderr)
             return 1
         except KeyError as e:
@@ -445,7 +536,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--topology", "-t", metavar="FILE", help="topology TOML (default: the packaged default.toml)")
     p.add_argument("--mode", choices=("srv6", "ecmp"), help="override the topology's mode")
     p.add_argument("--no-hosts", action="store_true", help="fabric only: do not load the host datapaths")
+    p.add_argument("--target", choices=("netns", "qemu", "vagrant"), default="netns",
+                   help="netns: namespaces of this machine (default); qemu: one VM per node, "
+                        "plain QEMU; vagrant: one VM per node, vagrant-libvirt")
+    p.add_argument("--vm", action="store_true", help="same as --target qemu")
     _set_handler(p, cmd_up)
+
+    p = common(sub.add_parser("render", help="the topology as the JSON vagrant/Vagrantfile reads"))
+    p.add_argument("--json", action="store_true", help="JSON (the only format)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write to FILE (e.g. vagrant/topology.json)")
+    p.add_argument("--topology", "-t", metavar="FILE", help="topology TOML (default: the packaged default.toml)")
+    p.add_argument("--mode", choices=("srv6", "ecmp"), help="override the topology's mode")
+    _set_handler(p, cmd_render)
+
+    vmp = sub.add_parser("vm", help="VM lab: build-box, status, ssh, fail/heal")
+    vsub = vmp.add_subparsers(dest="vm_cmd", metavar="COMMAND")
+    vsub.required = True
+    p = vsub.add_parser("build-box", help="build the guest image (cached) and add the Vagrant box mrc-xdp/lab")
+    p.add_argument("--force", action="store_true", help="rebuild the disk even when nothing changed")
+    p.add_argument("--no-vagrant", action="store_true", help="the image only (plain QEMU), no box")
+    _set_handler(p, cmd_vm_build_box)
+    p = common(vsub.add_parser("status", help="the VMs of a VM lab"))
+    p.add_argument("--json", action="store_true")
+    _set_handler(p, cmd_vm_status)
+    p = common(vsub.add_parser("ssh", help="a shell or a command on a VM: ssh NODE [-- CMD]"))
+    p.add_argument("node")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
+    _set_handler(p, cmd_vm_ssh)
+    p = common(vsub.add_parser("fail", help="freeze a VM (a failed switch); --heal resumes it"))
+    p.add_argument("node")
+    p.add_argument("--heal", action="store_true")
+    _set_handler(p, cmd_vm_fail)
 
     p = common(sub.add_parser("down", help="remove what the lab recorded creating (also after a crash); "
                                            "names what matches the prefix but is not its own"))
