@@ -7,12 +7,13 @@
  *        GOOD backup EV of the SAME plane (planes stay equally loaded)
  *   any --operator deny--> DENIED (user space; never auto-recovers)
  *   ASSUMED_BAD|DENIED --operator allow / probes--> GOOD (user space)
+ *   (user space changes go through mrc_evop: under the swap lock, with an event)
  *
  * Slots [0, MRC_EV_ACTIVE_MAX) are active, plane p owning [p*n, (p+1)*n); backups of
  * plane p sit at MRC_EV_ACTIVE_MAX + [p*b, (p+1)*b).  A replacement swaps the two
  * entries (the retired EV becomes a backup, to be probed) and re-points mrc_evidx.
- * Every change the datapath makes is written to the mrc_events ring buffer (a full
- * ring is counted as events_lost); operator changes from user space are not.
+ * Every change is written to the mrc_events ring buffer (a full ring is counted as
+ * events_lost), those user space makes through mrc_evop included.
  */
 #ifndef MRC_EV_STATE_H
 #define MRC_EV_STATE_H

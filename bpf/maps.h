@@ -13,7 +13,9 @@ BPF_ARRAY(MRC_MAP_CFG, struct mrc_config, 1);
 BPF_ARRAY(MRC_MAP_PLANES, struct mrc_plane, MRC_MAX_PLANES);
 BPF_HASH(MRC_MAP_IFPLANE, __u32, __u32, MRC_MAX_PLANES);
 BPF_DEVMAP(MRC_MAP_PORTS, MRC_PORTS_LEN);
-BPF_HASH(MRC_MAP_CONNIDX, struct mrc_conn_key, __u32, 2 * MRC_MAX_CONNS);
+/* per connection: (peer, remote QPN, TX), (peer, local QPN, RX), and for connectionless
+ * probes (peer, MRC_QPN_PROBE, TX/RX) naming the first connection to that peer */
+BPF_HASH(MRC_MAP_CONNIDX, struct mrc_conn_key, __u32, 4 * MRC_MAX_CONNS);
 BPF_ARRAY(MRC_MAP_CONNS, struct mrc_conn, MRC_MAX_CONNS);
 BPF_ARRAY(MRC_MAP_EVS, struct mrc_ev, MRC_MAX_CONNS * MRC_EV_SLOTS);
 BPF_HASH(MRC_MAP_EVIDX, struct mrc_evidx_key, __u32, MRC_MAX_CONNS * MRC_EV_SLOTS);
@@ -27,5 +29,8 @@ BPF_PERCPU_ARRAY(MRC_MAP_STATS, __u64, MRC_C_MAX);
 BPF_TABLE("lru_percpu_hash", struct mrc_evidx_key, struct mrc_rxev_ctr, MRC_MAP_RXEV, MRC_RXEV_MAX);
 BPF_RINGBUF_OUTPUT(MRC_MAP_EVENTS, MRC_EVENTS_BYTES / 4096);
 BPF_XSKMAP(MRC_MAP_XSKS, MRC_XSK_MAX);
+BPF_HASH(MRC_MAP_PROBES, __u32, struct mrc_probe, MRC_PROBE_SLOTS);
+BPF_ARRAY(MRC_MAP_PTB, struct mrc_ptb, 1);
+BPF_ARRAY(MRC_MAP_CRC, __u32, 256);
 
 #endif

@@ -4,6 +4,8 @@
  *
  *   engine --mrc0==mrc0p--> [mrc_spray] --devmap--> plane NIC pN --> fabric
  *   fabric --> plane NIC [mrc_ingress] --devmap--> mrc0p==mrc0 [mrc_to_engine] --> XSK / stack
+ *   PROBE_REQ from a peer --> plane NIC [mrc_ingress] --XDP_TX (its answer)--> fabric
+ *   user space --test_run--> [mrc_evop]: operator / daemon EV state change under the swap lock
  *
  * Non-MRC frames leave every program byte-for-byte unchanged (XDP_PASS); malformed MRC
  * frames are counted by reason and dropped.  All policy lives in maps (mrc_shared.h).
@@ -15,6 +17,7 @@
 #include "ev_state.h"
 #include "ev_select.h"
 #include "srv6.h"
+#include "probe.h"
 
 static __always_inline struct mrc_config *cfg_get(void)
 {
@@ -130,15 +133,22 @@ int mrc_spray(struct xdp_md *ctx)
 		return XDP_PASS;
 	}
 
-	rot = ev_select(cid, c, cfg->nplanes);
-	if (!rot) {
-		ctr_inc(MRC_C_SPRAY_NO_EV);
-		return XDP_DROP;
+	if (p.opcode == MRC_OP_PROBE_REQ) {
+		/* a probe goes out on the EV it names, whatever its state but DENIED */
+		e = probe_ev(cid, &p);
+		if (!e)
+			return XDP_DROP;
+	} else {
+		rot = ev_select(cid, c, cfg->nplanes);
+		if (!rot) {
+			ctr_inc(MRC_C_SPRAY_NO_EV);
+			return XDP_DROP;
+		}
+		slot = rot->slot;
+		e = ev_at(cid, slot);
+		if (!e)
+			return XDP_DROP;
 	}
-	slot = rot->slot;
-	e = ev_at(cid, slot);
-	if (!e)
-		return XDP_DROP;
 	plane = e->plane;
 	k = plane;
 	pl = mrc_planes.lookup(&k);
@@ -287,7 +297,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 					__u32 cack, __u32 base, __u64 bitmap, __u32 hb, __u32 ack_seq)
 {
 	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, k, psn, retire, *slotp;
+	__u32 nlost = 0, i, k, psn, slot, *slotp;
 	struct mrc_evidx_key key = { .conn = cid };
 	struct mrc_psn_ent *pe;
 	struct mrc_ev_ctr *ec;
@@ -313,9 +323,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
 		nlost++;
 	}
-	/* Count every loss; retire at most one EV per SACK (one replacement scan), the
-	 * next SACK that attributes a loss to another EV over threshold retires that. */
-	retire = MRC_NO_SLOT;
+	/* Count every loss; every EV over the threshold is retired now (up to
+	 * MRC_LOSS_BATCH per SACK: one SACK can report losses on several paths). */
 #pragma clang loop unroll(disable)
 	for (i = 0; i < MRC_LOSS_BATCH; i++) {
 		if (i >= nlost)
@@ -324,7 +333,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		slotp = mrc_evidx.lookup(&key);
 		if (!slotp)
 			continue;
-		e = ev_at(cid, *slotp);
+		slot = *slotp;
+		e = ev_at(cid, slot);
 		if (!e)
 			continue;
 		ctr_inc(MRC_C_ING_LOSS);
@@ -332,14 +342,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		if (ec)
 			ec->loss++;
 		e->losses++;
-		if (e->losses >= cfg->loss_thresh && retire == MRC_NO_SLOT &&
-		    (e->state == MRC_EV_GOOD || e->state == MRC_EV_SKIP))
-			retire = *slotp;
-	}
-	if (retire != MRC_NO_SLOT) {
-		e = ev_at(cid, retire);
-		if (e)
-			ev_retire(cid, c, retire, e, MRC_R_LOSS);
+		if (e->losses >= cfg->loss_thresh)
+			ev_retire(cid, c, slot, e, MRC_R_LOSS);   /* only a GOOD or SKIP EV */
 	}
 }
 
@@ -524,6 +528,12 @@ int mrc_ingress(struct xdp_md *ctx)
 		ctr_inc(MRC_C_ING_DATA);
 		count_rx_data(&p);
 	} else if (p.opcode == MRC_OP_SACK) {
+		__u8 *h = mrc_ext(ctx, &p, MRC_SETH_LEN);
+
+		if (h && (h[1] & MRC_SETH_PR)) {     /* a probe answer: for the prober, not the engine */
+			probe_result(ctx, &p, h);
+			return XDP_DROP;
+		}
 		ctr_inc(MRC_C_ING_SACK);
 		feedback(ctx, &p, cfg);
 	} else if (p.opcode == MRC_OP_NACK) {
@@ -532,7 +542,16 @@ int mrc_ingress(struct xdp_md *ctx)
 	} else if (p.opcode == MRC_OP_ACK) {
 		ctr_inc(MRC_C_ING_ACK);
 	} else if (p.opcode == MRC_OP_PROBE_REQ) {
+		struct mrc_conn *c;
+		__u32 cid;
+
 		ctr_inc(MRC_C_ING_PROBE);
+		/* answered here, only to configured peers; never handed to the engine */
+		if (conn_find(p.saddr, p.dqpn, MRC_DIR_RX, &cid, &c)) {
+			ctr_inc(MRC_C_ING_PROBE_NOT_PEER);
+			return XDP_DROP;
+		}
+		return probe_answer(ctx, &p, cfg, cid, c);
 	} else {
 		ctr_inc(MRC_C_ING_OTHER);
 	}
@@ -566,4 +585,55 @@ int mrc_to_engine(struct xdp_md *ctx)
 	}
 	ctr_inc(MRC_C_ENG_PASS);
 	return XDP_PASS;
+}
+
+/* ------------------------------------------------------------------ user space EV changes */
+
+/*
+ * Operator deny/allow and the health daemon's writes: user space runs this program with
+ * BPF_PROG_TEST_RUN, the frame being a struct mrc_evop.  It takes the connection's swap
+ * lock (the one ev_replace takes), so a change never interleaves with a swap and lands in
+ * the slot the EV is in at that moment; it emits the event like every datapath change.
+ * Returns MRC_EVOP_*; slot and old_state come back in the frame.
+ */
+int mrc_evop(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct mrc_evop *op = data;
+	struct mrc_evidx_key key = {};
+	struct mrc_conn *c;
+	struct mrc_ev *e = 0;
+	__u32 cid, slot = 0, *slotp;
+	int rc = MRC_EVOP_NO_EV;
+
+	if ((void *)(op + 1) > data_end)
+		return MRC_EVOP_BAD;
+	cid = op->conn;
+	if (cid >= MRC_MAX_CONNS || op->state == MRC_EV_UNUSED || op->state > MRC_EV_DENIED)
+		return MRC_EVOP_BAD;
+	c = mrc_conns.lookup(&cid);
+	if (!c)
+		return MRC_EVOP_BAD;
+	if (__sync_val_compare_and_swap(&c->lock, 0, 1) != 0) {
+		ctr_inc(MRC_C_EVOP_BUSY);
+		return MRC_EVOP_BUSY;
+	}
+	key.conn = cid;
+	key.ev = op->ev;
+	slotp = mrc_evidx.lookup(&key);
+	if (slotp) {
+		slot = *slotp;
+		e = ev_at(cid, slot);
+	}
+	if (e && e->ev == op->ev && e->state != MRC_EV_UNUSED) {
+		op->slot = slot;
+		op->old_state = e->state;
+		e->losses = 0;
+		ev_set(cid, slot, e, op->state, op->reason);
+		ctr_inc(MRC_C_EVOP);
+		rc = MRC_EVOP_OK;
+	}
+	c->lock = 0;
+	return rc;
 }

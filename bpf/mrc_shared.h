@@ -28,6 +28,7 @@
 #define MRC_XSK_MAX          64     /* AF_XDP sockets (one per rx queue) */
 #define MRC_EVENTS_BYTES     262144 /* EV state-change ring buffer */
 #define MRC_LINK_MAX         1024   /* lab link models (keyed by ifindex) */
+#define MRC_PROBE_SLOTS      4096   /* probes in flight from user space (mrc_probes) */
 
 /* ------------------------------------------------------------------ wire */
 #define MRC_UDP_PORT_DEFAULT 4791
@@ -53,6 +54,11 @@
 #define MRC_SETH_M_SHIFT     5      /* SETH byte 1 bits 6-5 */
 #define MRC_SETH_M_MASK      3
 #define MRC_QPN_PROBE        2      /* connectionless EV probes */
+#define MRC_SETH_PR          0x02   /* SETH byte 1 bit 1: the SACK answers a PROBE_REQ */
+/* A probe answer is a SACK with PR set: entropy = the probed EV, cack_psn = the probe's
+ * PSN, spdcid/dpdcid swapped, CC_STATE tx timestamp = the probe's, and the probe id in the
+ * SETH bytes below (sack_offset: no bitmap rides on a probe answer). */
+#define MRC_PANS_ID_OFF      18     /* (?) SETH byte offset of the echoed probe id */
 /* The ICRC trailer is the CRC-32 value stored little-endian, as Linux rxe does. */
 #define MRC_ICRC_LITTLE_ENDIAN 1
 
@@ -110,6 +116,22 @@ enum mrc_ev_reason {
 	MRC_R_PROBE_OK    = 8,   /* resurrected after probes */
 };
 
+/* Operator / daemon EV change, run by user space through BPF_PROG_TEST_RUN of mrc_evop
+ * (the frame is this struct): under the connection's swap lock, emits an event. */
+struct mrc_evop {
+	__u32 conn;
+	__u32 ev;
+	__u32 slot;             /* out: the slot the EV was in */
+	__u8  state;            /* in: new enum mrc_ev_state */
+	__u8  reason;           /* in: enum mrc_ev_reason */
+	__u8  old_state;        /* out */
+	__u8  pad;
+};
+#define MRC_EVOP_OK        0
+#define MRC_EVOP_BUSY      1   /* the connection's swap lock is held: try again */
+#define MRC_EVOP_NO_EV     2   /* the EV is not in the connection's set */
+#define MRC_EVOP_BAD       3   /* malformed request (connection id, state) */
+
 enum mrc_mode {
 	MRC_MODE_ECMP = 0,
 	MRC_MODE_SRV6 = 1,
@@ -140,6 +162,9 @@ enum mrc_mode {
 #define MRC_MAP_RXEV     mrc_rxev      /* LRU_PERCPU_HASH struct mrc_evidx_key -> struct mrc_rxev_ctr */
 #define MRC_MAP_EVENTS   mrc_events    /* RINGBUF struct mrc_event */
 #define MRC_MAP_XSKS     mrc_xsks      /* XSKMAP rx queue -> AF_XDP socket */
+#define MRC_MAP_PROBES   mrc_probes    /* HASH __u32 probe id -> struct mrc_probe (user space inserts) */
+#define MRC_MAP_PTB      mrc_ptb       /* ARRAY[1] struct mrc_ptb: probe answer token bucket */
+#define MRC_MAP_CRC      mrc_crc       /* ARRAY[256] __u32: CRC-32 table (probe answers' ICRC) */
 
 #define MRC_PORT_ENGINE  MRC_MAX_PLANES  /* devmap key of the fabric side of mrc0 */
 #define MRC_PORTS_LEN    9               /* MRC_MAX_PLANES + 1 */
@@ -148,6 +173,7 @@ enum mrc_mode {
 #define MRC_PROG_SPRAY   mrc_spray
 #define MRC_PROG_INGRESS mrc_ingress
 #define MRC_PROG_ENGINE  mrc_to_engine
+#define MRC_PROG_EVOP    mrc_evop      /* never attached: run by user space (test_run) */
 
 struct mrc_config {
 	__u32 mode;             /* enum mrc_mode */
@@ -163,6 +189,8 @@ struct mrc_config {
 	__u8  dscp_ctrl;        /* SACK/NACK/ACK/probes, never trimmed */
 	__u8  dscp_rtx;         /* retransmissions */
 	__u8  hop_limit;        /* outer IPv6 hop limit (SRv6) */
+	__u32 probe_rate;       /* probe answers per second at most (token bucket); 0 = none */
+	__u32 probe_burst;      /* bucket depth: answers in one burst */
 };
 
 struct mrc_plane {
@@ -283,6 +311,23 @@ struct mrc_icrc_row {
 	__u32 bit[16];
 };
 
+/* One probe in flight: user space inserts it (BPF_NOEXIST: ids are taken atomically
+ * across processes) before sending, ingress fills rx_ns when the answer arrives. */
+struct mrc_probe {
+	__u8  peer[16];         /* the answer must come from here ... */
+	__u32 ev;               /* ... echo this EV ... */
+	__u32 psn;              /* ... and this PSN (the probe's BTH PSN, a nonce) */
+	__u64 sent_ns;          /* CLOCK_MONOTONIC (bpf_ktime_get_ns) just before sending */
+	__u64 rx_ns;            /* answer arrival, bpf_ktime_get_ns(); 0 = none yet */
+	__u32 plane;            /* plane the answer arrived on */
+	__u32 owner;            /* pid of the prober (stale entries are reaped by it) */
+};
+
+/* GCRA token bucket: a probe is answered when tat - now <= (burst - 1) / rate. */
+struct mrc_ptb {
+	__u64 tat;              /* theoretical arrival time of the next answer, ns */
+};
+
 struct mrc_event {
 	__u64 ts_ns;
 	__u32 conn;
@@ -353,6 +398,18 @@ enum mrc_ctr {
 	MRC_C_EVENTS_LOST,          /* EV events the ring buffer had no room for */
 	MRC_C_ING_FB_OOW,           /* feedback outside the sent window (PSNs never sent or no
 	                             * longer in flight): no EV change, no loss attribution */
+	MRC_C_SPRAY_PROBE,          /* PROBE_REQ sent on the EV it names (no rotation) */
+	MRC_C_SPRAY_PROBE_NO_EV,    /* PROBE_REQ naming an EV not in the set: dropped */
+	MRC_C_SPRAY_PROBE_DENIED,   /* PROBE_REQ naming a DENIED EV: dropped */
+	MRC_C_ING_PROBE_ANSWERED,   /* PROBE_REQ turned into its answer and sent back (XDP_TX) */
+	MRC_C_ING_PROBE_NOT_PEER,   /* PROBE_REQ from no configured peer: dropped */
+	MRC_C_ING_PROBE_RATE,       /* PROBE_REQ over the answer rate limit: dropped */
+	MRC_C_ING_PROBE_BAD,        /* PROBE_REQ not answerable (not a bare PETH, no plane,
+	                             * no room, no template): dropped */
+	MRC_C_ING_PROBE_ANS,        /* probe answer for one of our probes: recorded, dropped */
+	MRC_C_ING_PROBE_ANS_UNKNOWN,/* probe answer matching no probe in flight: dropped */
+	MRC_C_EVOP,                 /* EV state set by user space (mrc_evop) */
+	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
 	MRC_C_MAX,
 };
 

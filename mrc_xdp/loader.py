@@ -37,7 +37,8 @@ from .names import BadName, is_valid
 from .shared import CONSTS, MAP_NAMES
 
 PROGS = {"spray": MAP_NAMES["MRC_PROG_SPRAY"], "ingress": MAP_NAMES["MRC_PROG_INGRESS"],
-         "engine": MAP_NAMES["MRC_PROG_ENGINE"]}
+         "engine": MAP_NAMES["MRC_PROG_ENGINE"],
+         "evop": MAP_NAMES["MRC_PROG_EVOP"]}     # never attached: user space runs it (maps.set_ev_state)
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1

@@ -25,6 +25,10 @@ SLOTS = const("MRC_EV_SLOTS")
 MAX_CONNS = const("MRC_MAX_CONNS")
 UNKNOWN_CONN = "unknown"      # name of the connection id MRC_MAX_CONNS: no known connection
 ACTIVE_MAX = const("MRC_EV_ACTIVE_MAX")
+QPN_PROBE = const("MRC_QPN_PROBE")
+PROBE_RATE_DEFAULT = 20000     # probe answers per second per instance (mrc_config.probe_rate)
+PROBE_BURST_DEFAULT = 256
+EVOP_RETRIES = 2000            # mrc_evop found the swap lock held: tries before giving up
 DATAPATH_MAPS = sorted(v for k, v in MAP_NAMES.items() if k.startswith("MRC_MAP_"))
 
 
@@ -105,7 +109,11 @@ def write_all(m: dict, cfg: HostConfig, dev: DevInfo, icrc_rows: list[list[int]]
     ffi.memmove(c.fab_mac, _mac(dev.fab_mac), 6)
     c.dscp_data, c.dscp_ctrl, c.dscp_rtx = cfg.dscp_data, cfg.dscp_ctrl, cfg.dscp_rtx
     c.hop_limit = cfg.hop_limit
+    c.probe_rate = getattr(cfg, "probe_rate", PROBE_RATE_DEFAULT)
+    c.probe_burst = getattr(cfg, "probe_burst", PROBE_BURST_DEFAULT)
     m["mrc_cfg"].update(0, to_bytes(c))
+    for i, v in enumerate(crc32_table()):
+        m["mrc_crc"].update(i, _u32(v))
 
     for i, (pl, (ifindex, mac, gw_mac)) in enumerate(zip(cfg.planes, dev.planes)):
         p = ffi.new("struct mrc_plane *")
@@ -141,6 +149,25 @@ def write_all(m: dict, cfg: HostConfig, dev: DevInfo, icrc_rows: list[list[int]]
         write_connection(m, cfg, cid, conn)
 
 
+def crc32_table() -> list[int]:
+    """The reflected CRC-32 table (polynomial 0xEDB88320) ingress builds probe answers'
+    ICRC with."""
+    out = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        out.append(c)
+    return out
+
+
+def conn_key(peer: str, qpn: int, d: int) -> bytes:
+    key = ffi.new("struct mrc_conn_key *")
+    ffi.memmove(key.peer, _addr(peer), 16)
+    key.qpn, key.dir = qpn, d
+    return to_bytes(key)
+
+
 def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
     nplanes = len(cfg.planes)
     rng = random.Random(cid * 7919 + conn.local_qpn)
@@ -173,11 +200,13 @@ def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
                 m["mrc_evidx"].update(to_bytes(k), _u32(slot))
 
     for d in (0, 1):
-        key = ffi.new("struct mrc_conn_key *")
-        ffi.memmove(key.peer, _addr(conn.peer), 16)
-        key.qpn = conn.remote_qpn if d == 0 else conn.local_qpn
-        key.dir = d
-        m["mrc_connidx"].update(to_bytes(key), _u32(cid))
+        m["mrc_connidx"].update(conn_key(conn.peer, conn.remote_qpn if d == 0 else conn.local_qpn, d),
+                                _u32(cid))
+    # connectionless probes (QPN 2) to and from this peer: the first connection's set
+    for d in (0, 1):
+        k = conn_key(conn.peer, QPN_PROBE, d)
+        if m["mrc_connidx"].lookup(k) is None:
+            m["mrc_connidx"].update(k, _u32(cid))
 
 
 # ---------------------------------------------------------------- EV state from user space
@@ -190,14 +219,59 @@ def ev_slot(evidx, cid: int, ev: int) -> int | None:
     return None if raw is None else int.from_bytes(raw, "little")
 
 
+class EvopError(RuntimeError):
+    pass
+
+
+def evop(prog_fd: int, cid: int, ev: int, state: int, reason: int) -> dict | None:
+    """Run mrc_evop once: {slot, old} or None when the EV is not in the set; retries while
+    the connection's swap lock is held (a swap takes a few hundred ns)."""
+    op = ffi.new("struct mrc_evop *")
+    op.conn, op.ev, op.state, op.reason = cid, ev, int(state), int(reason)
+    raw = to_bytes(op)
+    for i in range(EVOP_RETRIES):
+        rc, out, _ = bpfsys.prog_test_run(prog_fd, raw)
+        if rc == const("MRC_EVOP_OK"):
+            res = ffi.cast("struct mrc_evop *", ffi.from_buffer(out))
+            return {"slot": res.slot, "old": res.old_state}
+        if rc == const("MRC_EVOP_NO_EV"):
+            return None
+        if rc != const("MRC_EVOP_BUSY"):
+            raise EvopError("mrc_evop refused connection %d EV %#010x state %d (code %d)" % (cid, ev, state, rc))
+        if i >= 16:
+            time.sleep(0.0001)
+    raise EvopError("connection %d: swap lock held for %d tries (a crashed writer?): EV %#010x unchanged"
+                    % (cid, EVOP_RETRIES, ev))
+
+
+def _evop_fd(evs):
+    """The mrc_evop program that goes with this mrc_evs map: given (evs.evop_fd), or that of
+    the instance the map was opened from (Instance.map)."""
+    fd = getattr(evs, "evop_fd", None)
+    if fd is None and getattr(evs, "instance", None) is not None:
+        fd = evs.instance.evop_fd()
+    return fd
+
+
 def set_ev_state(evs, evidx, cid: int, ev: int, state: EvState,
-                 reason: EvReason = EvReason.OPERATOR) -> dict:
+                 reason: EvReason = EvReason.OPERATOR, evop_fd: int | None = None) -> dict:
     """Set the state of EV ev of connection cid, as an operator's deny/allow does: the
     slot's state and reason change, its loss count restarts, changed_ns is now.
 
     evs, evidx: the mrc_evs and mrc_evidx maps as bpfsys.Map (pinned, or a bcc build's).
+    The change is made by the datapath's mrc_evop program (evop_fd, else the one of the
+    instance evs was opened from): under the connection's swap lock, so it never races a
+    slot swap, and with an event in mrc_events like every datapath change.  Without that
+    program (an instance loaded by an older version) the slot is written directly.
     Returns {conn, slot, ev, old, new} (state names); KeyError when ev is not in the set.
     """
+    fd = evop_fd if evop_fd is not None else _evop_fd(evs)
+    if fd is not None:
+        res = evop(fd, cid, ev, state, reason)
+        if res is None:
+            raise KeyError("EV %#010x is not in the EV set of connection %d" % (ev, cid))
+        return {"conn": cid, "slot": res["slot"], "ev": ev, "old": EvState(res["old"]).name,
+                "new": EvState(state).name}
     slot = ev_slot(evidx, cid, ev)
     if slot is None:
         raise KeyError("EV %#010x is not in the EV set of connection %d" % (ev, cid))
@@ -228,6 +302,7 @@ class Instance:
             raise NotLoaded("instance %r is not loaded: run `mrc-xdp load` first%s" % (
                 name, " (loaded: %s)" % ", ".join(instances()) if instances() else ""))
         self._maps: dict[str, bpfsys.Map] = {}
+        self._evop: int | None = None
         try:
             with open(state_path(name)) as f:
                 self.state = json.load(f)
@@ -236,13 +311,27 @@ class Instance:
 
     def map(self, name: str) -> bpfsys.Map:
         if name not in self._maps:
-            self._maps[name] = bpfsys.Map.open_pinned(os.path.join(self.dir, name))
+            mp = bpfsys.Map.open_pinned(os.path.join(self.dir, name))
+            mp.instance = self          # set_ev_state finds this instance's mrc_evop
+            self._maps[name] = mp
         return self._maps[name]
+
+    def evop_fd(self) -> int | None:
+        """The pinned mrc_evop program (prog_evop), None for an instance loaded without it."""
+        if self._evop is None:
+            try:
+                self._evop = bpfsys.obj_get(os.path.join(self.dir, "prog_evop"))
+            except OSError:
+                return None
+        return self._evop
 
     def close(self):
         for mp in self._maps.values():
             mp.close()
         self._maps.clear()
+        if self._evop is not None:
+            os.close(self._evop)
+            self._evop = None
 
     def __enter__(self):
         return self
@@ -329,5 +418,6 @@ class Instance:
     def set_ev_state(self, ev: int, state: EvState, conn: int | None = None) -> dict:
         """Operator deny/allow. Returns {conn, slot, ev, old, new}."""
         cid, _ = self.find_ev(ev, conn)
-        return set_ev_state(self.map("mrc_evs"), self.map("mrc_evidx"), cid, ev, state)
+        return set_ev_state(self.map("mrc_evs"), self.map("mrc_evidx"), cid, ev, state,
+                            evop_fd=self.evop_fd())
 

@@ -262,6 +262,32 @@ def decap(frame: bytes) -> bytes:
     return frame[:ETH] + bytes(inner)
 
 
+def probe_answer(probe: bytes, dqpn: int, smac: bytes, dmac: bytes, dscp: int = DSCP_CTRL,
+                 hlim: int = HOP_LIMIT) -> bytes:
+    """The answer ingress must make of a plain PROBE_REQ (before any SRv6 push): a SACK with
+    PR set from the probe's destination to its source, to dqpn, BTH PSN and cack_psn = the
+    probe's PSN, entropy = the probe's EV (also in sport / flow label), spdcid and dpdcid
+    swapped, the probe id in sack_offset (MRC_PANS_ID_OFF), the probe's tx timestamp in
+    CC_STATE, control DSCP, hop limit of the configuration, the probe's P_Key; ICRC by
+    wire.icrc."""
+    p = wire.parse(probe)
+    ip6, bth, peth = p[IPv6], p[wire.BTH], p[wire.PETH]
+    ev = wire.ev_of_frame(probe)
+    pid = peth.probe_id - 0x10000 if peth.probe_id & 0x8000 else peth.probe_id
+    assert const("MRC_PANS_ID_OFF") == 18, "the builder puts the id in sack_offset"
+    f = bytearray(wire.sack_frame(ip6.dst, ip6.src, dqpn, bth.psn, cack_psn=bth.psn, ev_echo=ev,
+                                  sack_offset=pid,
+                                  seth={"pr": 1, "spdcid": peth.dpdcid, "dpdcid": peth.spdcid},
+                                  cc={"tx_ts": peth.tx_ts}, ev=ev, tc=dscp << 2, hlim=hlim,
+                                  smac=":".join("%02x" % b for b in smac),
+                                  dmac=":".join("%02x" % b for b in dmac)))
+    b = ETH + IP6 + UDPH
+    f[b + 1] = 0
+    f[b + 2:b + 4] = probe[b + 2:b + 4]         # P_Key kept
+    f[-4:] = wire.pack_icrc(wire.icrc(bytes(f[ETH:-4])))
+    return bytes(f)
+
+
 def with_macs(frame: bytes, dst: bytes, src: bytes) -> bytes:
     return dst + src + frame[12:]
 
@@ -329,7 +355,7 @@ class Env:
 
         cfg = CONFIGS[mode]
         m = self.maps
-        for name in ("mrc_connidx", "mrc_evidx", "mrc_ifplane", "mrc_rxev"):
+        for name in ("mrc_connidx", "mrc_evidx", "mrc_ifplane", "mrc_rxev", "mrc_probes"):
             m[name].clear()
         zero = bytes(8)
         for c in range(int(Ctr.MAX)):
@@ -347,6 +373,7 @@ class Env:
                 m["mrc_evctr"].update(cid * SLOTS + slot, ctr_zero)
             for i in range(PSN_RING):
                 m["mrc_psn"].update(cid * PSN_RING + i, psn_zero)
+        m["mrc_ptb"].update(0, bytes(shared.sizeof("struct mrc_ptb")))
         tz = bytes(shared.sizeof("struct mrc_srv6_tmpl"))
         for i in range(len(TEMPLATES)):
             m["mrc_srv6"].update(i, tz)
@@ -428,9 +455,11 @@ class Env:
         return EvState(self.ev(cid, ev).state)
 
     def set_state(self, cid: int, ev: int, state: EvState) -> None:
-        """An operator's deny/allow: the library's own function, on this build's maps."""
+        """An operator's deny/allow: the library's own function, on this build's maps and
+        its mrc_evop program."""
         from mrc_xdp import maps as libmaps
-        libmaps.set_ev_state(self.maps["mrc_evs"], self.maps["mrc_evidx"], cid, ev, state)
+        libmaps.set_ev_state(self.maps["mrc_evs"], self.maps["mrc_evidx"], cid, ev, state,
+                             evop_fd=self.dp.fd("evop"))
 
     def slots(self, cid: int) -> dict[int, tuple[int, int]]:
         """slot -> (ev, state) of every configured slot of a connection."""

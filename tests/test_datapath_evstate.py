@@ -360,8 +360,9 @@ def test_loss_threshold_two(ecmp):
 
 
 def test_many_holes_in_one_sack(ecmp):
-    """At most MRC_LOSS_BATCH losses are attributed per SACK and one EV retired; the
-    rest are found by the next SACK."""
+    """At most MRC_LOSS_BATCH losses are attributed per SACK, and every EV they put over
+    the threshold is retired by that one SACK (each replaced from its plane's backups);
+    the rest are found by the next SACK."""
     env = ecmp
     batch = const("MRC_LOSS_BATCH")
     carried = _spray_psns(env)
@@ -374,12 +375,17 @@ def test_many_holes_in_one_sack(ecmp):
             break
     echo = _other_ev(env, *seen)
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=batch, ing_fb_bad=1, ing_fb_replaced=1)
-    first = carried[PSN0 + holes[0]]
-    assert env.state(CONN_A, first) == EvState.ASSUMED_BAD
-    assert [env.ev(CONN_A, carried[PSN0 + h]).losses for h in holes] == [1] * batch + [0, 0]
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=batch, ing_fb_bad=batch, ing_fb_replaced=batch)
+    lost = [carried[PSN0 + h] for h in holes]
+    assert [env.state(CONN_A, x) for x in lost] == [EvState.ASSUMED_BAD] * batch + [EvState.GOOD] * 2
+    assert [env.ev(CONN_A, x).losses for x in lost] == [1] * batch + [0, 0]
+    assert all(env.slot_of(CONN_A, x) >= ACTIVE_MAX for x in lost[:batch]), "retired EVs left the active set"
+    ev_events = [(e.ev, e.reason) for e in env.events()]
+    for x in lost[:batch]:
+        assert (x, EvReason.LOSS) in ev_events
+    assert sum(1 for _, r in ev_events if r == EvReason.REPLACED) == batch
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=2, ing_fb_bad=1, ing_fb_replaced=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=2, ing_fb_bad=2, ing_fb_replaced=2)
 
 
 # ------------------------------------------------------------------ operator deny / allow

@@ -26,7 +26,8 @@ import pytest
 from helpers import (CONN_A, CONN_B, DSCP_CTRL, DSCP_DATA, DSCP_RTX, ETH, HOP_LIMIT, IP6,
                      LOCAL, LOCAL_SID, PEER_A, PEER_B, QPN_A_LOCAL, QPN_A_REMOTE,
                      QPN_B_LOCAL, QPN_B_REMOTE, SRV6_SRC, TEMPLATES, UDPH, XDP_ABORTED,
-                     XDP_DROP, XDP_PASS, XDP_REDIRECT, addr, decap, delta, frame_of,
+                     XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX, addr, decap, delta, frame_of,
+                     probe_answer,
                      spray_rewrite, srv6_da, srv6_push, with_macs, xdp_name)
 from mrc_xdp import wire
 from mrc_xdp.shared import CONSTS, NackReason, Opcode, SackM
@@ -247,6 +248,10 @@ def check_spray(env, f, l3, ret, out, d):
     if conn is None:
         assert (ret, out, d) == (XDP_PASS, f, dict(pre, spray_no_conn=1))
         return
+    op0 = f[ETH + IP6 + UDPH]
+    if ret == XDP_DROP and op0 == Opcode.PROBE_REQ:   # probes: only on an EV of the set
+        assert d in (dict(pre, spray_probe_no_ev=1), dict(pre, spray_probe_denied=1))
+        return
     if ret == XDP_DROP:                       # random feedback may have used up every EV
         assert d == dict(pre, spray_no_ev=1)
         return
@@ -280,9 +285,48 @@ def check_ingress(env, f, l3, ret, out, d):
         return
     if l3 != ETH:                               # SRv6 for our SID, arriving on p0
         frame = decap(f)
+    bth = ETH + IP6 + UDPH
+    op = frame[bth]
+    if op == Opcode.PROBE_REQ:
+        check_probe(env, frame, ret, out, d)
+        return
+    if op == Opcode.SACK and frame[bth + 12 + 1] & CONSTS["MRC_SETH_PR"]:   # no probe in flight
+        assert (ret, d.get("ing_probe_ans_unknown")) == (XDP_DROP, 1)
+        return
     assert ret == XDP_REDIRECT
     assert out.hex() == with_macs(frame, *env.engine_macs()).hex()
     assert d["ing_to_engine"] == 1
+
+
+RX_CONNS = {(addr(PEER_A), QPN_A_LOCAL): CONN_A, (addr(PEER_B), QPN_B_LOCAL): CONN_B,
+            (addr(PEER_A), CONSTS["MRC_QPN_PROBE"]): CONN_A, (addr(PEER_B), CONSTS["MRC_QPN_PROBE"]): CONN_B}
+
+
+def check_probe(env, frame, ret, out, d):
+    """A probe for us (plain frame, arrived on p0): answered by a configured peer's
+    connection, or dropped with one reason."""
+    bth = ETH + IP6 + UDPH
+    dqpn = int.from_bytes(frame[bth + 5:bth + 8], "big")
+    cid = RX_CONNS.get((frame[ETH + 8:ETH + 24], dqpn))
+    if cid is None:
+        assert (ret, d.get("ing_probe_not_peer")) == (XDP_DROP, 1)
+        return
+    if ret == XDP_DROP:         # trailing bytes, a payload, over the rate
+        assert d.get("ing_probe_bad", 0) + d.get("ing_probe_rate", 0) == 1
+        assert len(frame) != ETH + IP6 + UDPH + 12 + 16 + 4 or d.get("ing_probe_rate") == 1
+        return
+    assert ret == XDP_TX and d["ing_probe_answered"] == 1
+    conn = env.conn(cid)
+    ans_qpn = dqpn if dqpn == CONSTS["MRC_QPN_PROBE"] else conn.remote_qpn
+    want = probe_answer(frame, ans_qpn, *env.plane_macs(0))
+    if env.mode == "srv6":
+        ev = wire.ev_of_frame(frame)
+        slot = env.slot_of(cid, ev)
+        e = env.ev_at(cid, slot) if slot is not None else None
+        if e is None or e.plane != 0:
+            e = env.ev_at(cid, ev % conn.ev_per_plane)
+        want = srv6_push(want, SRV6_SRC[0], srv6_da(TEMPLATES[conn.template], 0, e.t1), HOP_LIMIT)
+    assert out.hex() == want.hex()
 
 
 def check(env, prog, name, f, ret, out, d):

@@ -27,7 +27,7 @@ INGRESS_CASES = (
      for op in (Opcode.WRITE_FIRST, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST,
                 Opcode.WRITE_LAST_IMM, Opcode.WRITE_ONLY, Opcode.WRITE_ONLY_IMM)
      for ts in (None, 99)] +
-    [(k, k, dict(ev=0x00050006)) for k in ("sack", "nack", "ack", "probe", "ep_req", "ep_resp")] +
+    [(k, k, dict(ev=0x00050006)) for k in ("sack", "nack", "ack", "ep_req", "ep_resp")] +
     [("data-csum", "data", dict(udp_csum=True, ev=0x77770001))]
 )
 
@@ -162,7 +162,7 @@ def _with_ecn(frame, ecn):
     return bytes(f)
 
 
-@pytest.mark.parametrize("kind", ["data", "sack", "nack", "ack", "probe", "ep_req", "ep_resp"])
+@pytest.mark.parametrize("kind", ["data", "sack", "nack", "ack", "ep_req", "ep_resp"])
 @pytest.mark.parametrize("plane", [0, 1])
 def test_ingress_srv6_decap_every_opcode(srv6, kind, plane):
     env = srv6

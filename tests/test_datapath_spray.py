@@ -20,7 +20,7 @@ from mrc_xdp.shared import EvState, Opcode, SackM, const
 
 DATA_OPS = [Opcode.WRITE_FIRST, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST,
             Opcode.WRITE_LAST_IMM, Opcode.WRITE_ONLY, Opcode.WRITE_ONLY_IMM]
-CTRL_KINDS = ["ack", "sack", "nack", "probe", "ep_req", "ep_resp"]
+CTRL_KINDS = ["ack", "sack", "nack", "ep_req", "ep_resp"]   # probes: test_probe_datapath.py
 
 
 def _spray_cases():
@@ -199,7 +199,7 @@ def test_spray_plane_without_nic_drops(ecmp):
 # ------------------------------------------------------------------ SRv6 mode
 
 SRV6_CASES = [("data", dict(udp_csum=True)), ("data", dict(opcode=Opcode.WRITE_LAST_IMM, ts=7)),
-              ("sack", {}), ("nack", {}), ("ack", {}), ("probe", {}), ("ep_req", {}),
+              ("sack", {}), ("nack", {}), ("ack", {}), ("ep_req", {}),
               ("ep_resp", dict(udp_csum=True)), ("data", dict(tc=3, rtx=True))]
 
 

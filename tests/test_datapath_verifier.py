@@ -12,7 +12,7 @@ HEADROOM = 0.5          # each program may use at most half of the limit
 
 def test_verifier_headroom(dp_env):
     used = {}
-    for prog in ("spray", "ingress", "engine"):
+    for prog in ("spray", "ingress", "engine", "evop"):
         info = bpfsys.prog_info(dp_env.dp.fd(prog))
         assert info.verified_insns > 0, "kernel reported no verified_insns for %s" % prog
         used[prog] = info.verified_insns

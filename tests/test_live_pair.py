@@ -305,7 +305,7 @@ def test_unload_after_a_crash_midway_and_without_state_file(pair):
     assert r.returncode == 3, r.stderr
     # the state was written before attaching: it names the netns, devices and programs
     st = json.load(open(spath))
-    assert st["netns"] == ns and st["complete"] is False and len(st["prog_ids"]) == 3
+    assert st["netns"] == ns and st["complete"] is False and len(st["prog_ids"]) == 4
     assert xdp_attached(ns) == 2
     # worst case: the state file is gone too; unload still finds our programs by id
     os.unlink(spath)
