@@ -14,9 +14,11 @@ tables or, with --json, as one JSON line.
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
 import sys
+import threading
 import time
 
 from . import bootstrap as bs
@@ -36,17 +38,90 @@ def _transport():
     return transport
 
 
+# ------------------------------------------------------------------ per-QP counters for other processes
+
+QP_STATS_DIR = "/run/mrc-xdp/qps"
+
+
+class StatsPublisher:
+    """Once a second, write the session's per-QP engine counters to
+    /run/mrc-xdp/qps/<instance>.<pid>.json (atomically), so another process
+    (`mrc-xdp qps`) can read them; the file goes when the session ends."""
+
+    def __init__(self, session, instance: str, cmd: str, interval: float = 1.0):
+        self.s, self.instance, self.cmd, self.interval = session, instance, cmd, interval
+        self.path = os.path.join(QP_STATS_DIR, "%s.%d.json" % (instance, os.getpid()))
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        os.makedirs(QP_STATS_DIR, exist_ok=True)
+        self._t.start()
+
+    def write(self):
+        doc = {"instance": self.instance, "pid": os.getpid(), "cmd": self.cmd, "time": time.time(),
+               "qps": self.s.stats()}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            try:
+                self.write()
+            except Exception:       # the endpoint is closing: the next stop() removes the file
+                pass
+
+    def stop(self):
+        self._stop.set()
+        self._t.join(5)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def published_qps(instance: str | None = None) -> list[dict]:
+    """Per-QP counters published by running perf sessions (of one instance, or all);
+    files of processes that are gone are removed."""
+    out = []
+    try:
+        names = sorted(os.listdir(QP_STATS_DIR))
+    except FileNotFoundError:
+        return out
+    for n in names:
+        if not n.endswith(".json"):
+            continue
+        path = os.path.join(QP_STATS_DIR, n)
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not os.path.exists("/proc/%d" % int(doc.get("pid", 0))):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        if instance is None or doc.get("instance") == instance:
+            for q in doc.get("qps", []):
+                out.append(dict(q, instance=doc["instance"], pid=doc["pid"], cmd=doc["cmd"],
+                                age_s=round(time.time() - doc["time"], 1)))
+    return out
+
+
 # ------------------------------------------------------------------ shared set-up
 
 class Session:
     """An endpoint, its QPs and MR, and the bootstrap channel; closes all of it."""
 
-    def __init__(self, instance: str, ns: str | None, mtu: int | None = None):
+    def __init__(self, instance: str, ns: str | None, mtu: int | None = None, cmd: str = ""):
         t = _transport()
         self.ep = t.Endpoint(instance, ns, mtu=mtu)
         self.qps = []
         self.mr = None
         self.ch = None
+        self.pub = StatsPublisher(self, instance, cmd)
 
     def make_qps(self, n: int):
         self.qps = [self.ep.create_qp() for _ in range(n)]
@@ -71,6 +146,7 @@ class Session:
         return out
 
     def close(self):
+        self.pub.stop()
         if self.ch:
             self.ch.close()
         for q in self.qps:
@@ -144,7 +220,7 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
     if iters is None and duration is None:
         iters = 5000 if size <= 65536 else 1000
     depth = tx_depth or max(1, min(128, MAX_INFLIGHT_BYTES // size // qps))
-    with Session(instance, ns, mtu) as s:
+    with Session(instance, ns, mtu, "write-bw client") as s:
         src = bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size]
         s.mr = s.ep.reg_mr(src)
         s.make_qps(qps)
@@ -222,7 +298,7 @@ def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT
         if not (1 <= size <= 1 << 30 and 1 <= qps <= MAX_QPS):
             ch.send({"error": "size %d / qps %d out of range (1..1 GiB, 1..%d)" % (size, qps, MAX_QPS)})
             raise PerfError("client asked for size %d, qps %d: out of range" % (size, qps))
-        with Session(instance, ns, mtu) as s:
+        with Session(instance, ns, mtu, "write-bw server") as s:
             s.ch = ch
             dst = bytearray(size)
             s.mr = s.ep.reg_mr(dst)
@@ -300,7 +376,7 @@ def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int 
                      timeout: float = 30.0) -> dict:
     if size < 1 or iters < 1:
         raise PerfError("--size and --iters must be at least 1")
-    with Session(instance, ns, mtu) as s:
+    with Session(instance, ns, mtu, "write-lat client") as s:
         s.mr = s.ep.reg_mr(bytearray(size))
         s.make_qps(1)
         s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
@@ -326,7 +402,7 @@ def write_lat_server(instance: str, ns: str | None = None, port: int = bs.DEFAUL
         if not (1 <= size <= 1 << 30 and 1 <= iters <= 10**8):
             ch.send({"error": "size %d / iters %d out of range" % (size, iters)})
             raise PerfError("client asked for size %d, iters %d: out of range" % (size, iters))
-        with Session(instance, ns, mtu) as s:
+        with Session(instance, ns, mtu, "write-lat server") as s:
             s.ch = ch
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(1)
@@ -370,7 +446,7 @@ def send_file(path: str, peer: str, instance: str, ns: str | None = None,
         size = os.fstat(f.fileno()).st_size
         buf = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
         digest = _sha256(buf)
-        with Session(instance, ns, mtu) as s:
+        with Session(instance, ns, mtu, "send") as s:
             # the engine reads the mapping in place (a read-only MR: local access only)
             t = _transport()
             s.mr = s.ep.reg_mr(buf if size else bytearray(1), access=t.ACCESS_LOCAL)
@@ -437,7 +513,7 @@ def recv_file(directory: str, instance: str, ns: str | None = None, port: int = 
         with open(path, "w+b") as f:
             f.truncate(size)
             buf = mmap.mmap(f.fileno(), size) if size else bytearray(1)
-            with Session(instance, ns, mtu) as s:
+            with Session(instance, ns, mtu, "recv") as s:
                 s.ch = ch
                 s.mr = s.ep.reg_mr(buf)
                 s.make_qps(1)
@@ -562,6 +638,24 @@ def cmd_recv(args):
         r["file"], r["bytes"], r["sha256"]))
 
 
+def cmd_qps(args):
+    rows = published_qps(args.instance)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        print("no QPs: no perf session (write-bw, write-lat, send, recv) is running%s" % (
+            " on instance %s" % args.instance if args.instance else ""))
+        return
+    print("%-12s %-7s %-16s %-8s %-5s %10s %12s %8s %8s %8s %8s %9s %10s" % (
+        "instance", "pid", "cmd", "qpn", "state", "tx_pkts", "tx_bytes", "rtx", "rtx_sack", "rtx_rto",
+        "rtx_trim", "ecn_sacks", "cwnd"))
+    for r in rows:
+        print("%-12s %-7d %-16s %#-8x %-5s %10d %12d %8d %8d %8d %8d %9d %10d" % (
+            r["instance"], r["pid"], r["cmd"], r["qpn"], r.get("state_name", "?"), r["tx_pkts"], r["tx_bytes"],
+            r["rtx_pkts"], r["rtx_sack"], r["rtx_timeout"], r["rtx_nack_trim"], r["sacks_rx_ecn"], r["cwnd"]))
+
+
 def _guard(fn):
     def run(args):
         from .maps import NotLoaded
@@ -599,6 +693,11 @@ def add_parsers(sub) -> None:
     p.add_argument("peer", metavar="PEER", help="the receiver's control address")
     _common(p, server_ok=False)
     p.set_defaults(fn=_guard(cmd_send))
+
+    p = sub.add_parser("qps", help="per-QP engine counters of the running perf sessions (any process)")
+    p.add_argument("-i", "--instance", default=None, help="only this instance")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_guard(cmd_qps))
 
     p = sub.add_parser("recv", help="receive one file from `send` into DIR, verified by sha256")
     p.add_argument("dir", metavar="DIR")

@@ -120,3 +120,31 @@ def test_errors_one_line(pair):
     r = subprocess.run(CLI + ["send", "/nonexistent/file", B_CTL, "-i", pair["a"]],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot read /nonexistent/file" in r.stderr
+
+
+def test_qps_from_another_process(pair):
+    """A running session publishes its per-QP engine counters; `mrc-xdp qps` in another
+    process reads them; the file is gone when the session ends."""
+    import time
+    port = str(21000 + os.getpid() % 2000)
+    srv = subprocess.Popen(CLI + ["write-bw", "-i", pair["b"], "--bind", B_CTL, "--port", port, "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cl = subprocess.Popen(CLI + ["write-bw", B_CTL, "-i", pair["a"], "--port", port, "--json", "--duration", "4",
+                                 "--size", "65536"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rows = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not any(r["tx_pkts"] > 0 for r in rows):
+            time.sleep(0.5)
+            r = subprocess.run(CLI + ["qps", "-i", pair["a"], "--json"], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            rows = json.loads(r.stdout)
+        assert rows and rows[0]["cmd"] == "write-bw client" and rows[0]["tx_pkts"] > 0, rows
+        assert rows[0]["state_name"] == "rts" and "rtx_pkts" in rows[0] and "cwnd" in rows[0]
+        assert cl.wait(60) == 0 and srv.wait(30) == 0
+    finally:
+        for p in (cl, srv):
+            if p.poll() is None:
+                p.kill()
+    r = subprocess.run(CLI + ["qps", "-i", pair["a"], "--json"], capture_output=True, text=True, timeout=30)
+    assert json.loads(r.stdout) == []
