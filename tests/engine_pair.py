@@ -96,8 +96,19 @@ class Pair:
                               [mac_of(self.a, "p0"), mac_of(self.a, "p1")], mode=self.mode,
                               extra=self.extra, me="b", them="a"))
         self.ta, self.tb = ta, tb
-        self.load("a")
-        self.load("b")
+        # both loads at once (each is mostly a bcc compile)
+        procs = [(inst, subprocess.Popen(CLI + ["load", "--config", toml, "--netns", ns],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                 for inst, toml, ns in ((self.ia, ta, self.a), (self.ib, tb, self.b))]
+        errs = []
+        for inst, pr in procs:
+            out, err = pr.communicate(timeout=180)
+            if pr.returncode == 0:
+                self.loaded.append(inst)
+            else:
+                errs.append("mrc-xdp load %s failed (%d): %s%s" % (inst, pr.returncode, out, err))
+        if errs:
+            raise AssertionError("; ".join(errs))
         return self
 
     def load(self, side):
