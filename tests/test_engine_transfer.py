@@ -145,9 +145,9 @@ def _inject(ns, frame):
 
 
 def test_forged_frames_counted_and_dropped(eps, pair, qp0):
-    """Wrong QPN, PSN far out of window, bad ICRC, truncated headers and bad-R_Key-free
-    garbage injected into B's engine while a 64 MiB transfer runs: each counted and
-    dropped, the transfer intact."""
+    """Wrong QPN, PSN far out of window, bad ICRC (a flipped byte), truncated headers and
+    a replayed old PSN injected into B's engine while a 64 MiB transfer runs: each
+    counted and dropped, the transfer intact."""
     qa, qb = qp0
     A, B, ma, mb = eps["A"], eps["B"], eps["ma"], eps["mb"]
     eps["dst"][:] = bytes(BIG)
@@ -162,6 +162,9 @@ def test_forged_frames_counted_and_dropped(eps, pair, qp0):
     bad_crc = bytearray(wire.data_frame(ep_.A_ADDR, ep_.B_ADDR, qb.qpn, cack, b"z" * 64,
                                         va=mb.addr, rkey=mb.rkey, dlen=64, **good))
     bad_crc[-1] ^= 0xFF
+    # a replay of an old PSN (already received): a duplicate, never placed again
+    dup = wire.data_frame(ep_.A_ADDR, ep_.B_ADDR, qb.qpn, (cack - 1) & 0xFFFFFF, b"d" * 64,
+                          va=mb.addr, rkey=mb.rkey, dlen=64, **good)
     # a SACK cut right after its BTH: lengths consistent, no room for the SETH
     short = bytearray(wire.sack_frame(ep_.A_ADDR, ep_.B_ADDR, qb.qpn, 0, 0, 0, **good))
     cut = wire.ETH_LEN + wire.IPV6_LEN + 8 + wire.BTH_LEN + 4
@@ -171,18 +174,20 @@ def test_forged_frames_counted_and_dropped(eps, pair, qp0):
     short[wire.ETH_LEN + 44:wire.ETH_LEN + 46] = plen.to_bytes(2, "big")
     short[-4:] = wire.pack_icrc(wire.icrc(bytes(short[wire.ETH_LEN:-4])))
     for _ in range(20):
-        for f in (wrong_qpn, far, bytes(bad_crc), bytes(short)):
+        for f in (wrong_qpn, far, bytes(bad_crc), bytes(short), dup):
             _inject(pair.b, f)
         time.sleep(0.005)
     ca, cb = wait_n(A, 1), wait_n(B, 1)
     assert [(c.wr_id, c.ok) for c in ca] == [(77, True)] and [c.imm for c in cb] == [5]
     assert digest(eps["dst"]) == digest(eps["src"])
     after = B.stats()
-    d = {k: after[k] - before[k] for k in ("bad_qpn", "out_of_window", "bad_icrc", "truncated")}
+    d = {k: after[k] - before[k] for k in ("bad_qpn", "out_of_window", "bad_icrc", "truncated",
+                                           "duplicates")}
     # every forged frame reached the engine (to_engine) and was counted under its reason;
     # the truncated SACK may instead be dropped by the datapath's parser first
     assert d["bad_qpn"] == 20 and d["out_of_window"] == 20 and d["bad_icrc"] == 20, d
     assert d["truncated"] in (0, 20), d
+    assert d["duplicates"] >= 20, d
     assert qb.stats()["state_name"] == "rts" and qa.stats()["state_name"] == "rts"
 
 
