@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup kmatrix-setup kmatrix demo test bench clean
+.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo test bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,8 +15,27 @@ demo: setup
 kmatrix-setup: setup
 	bash scripts/kmatrix-setup.sh
 
-test: setup kmatrix-setup
+test: setup kmatrix-setup vm-setup
 	$(PY) -m pytest -ra tests
+
+# the VM lab (vagrant/README.md): QEMU, debootstrap, Vagrant + vagrant-libvirt, guest kernel
+vm-setup: setup
+	bash scripts/vm-setup.sh
+
+# guest image and Vagrant box mrc-xdp/lab (cached under /var/cache/mrc-xdp/vm)
+vm-box: vm-setup
+	$(VENV)/bin/mrc-xdp lab vm build-box
+
+# the VM lab's tests: rendering + vagrant validate, a 4-VM QEMU scenario, a vagrant smoke test
+vm-test: vm-setup
+	$(PY) -m pytest -ra -s tests/test_lab_vm.py
+
+# the full default topology on VMs (12 VMs; plain QEMU); vm-down removes it
+vm-up: vm-setup
+	$(VENV)/bin/mrc-xdp lab up --vm
+
+vm-down:
+	$(VENV)/bin/mrc-xdp lab down
 
 # boot each kernel of the matrix under QEMU (TCG) and run the datapath sample in it
 kmatrix: kmatrix-setup
