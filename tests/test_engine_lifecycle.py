@@ -53,6 +53,8 @@ def test_thousand_qps_and_idle(pair):
     A, B = transport.Endpoint(pair.ia), transport.Endpoint(pair.ib)
     try:
         assert threads() == th0 + 2
+        with pytest.raises(transport.TransportError, match="one endpoint per instance"):
+            transport.Endpoint(pair.ia)
         free0 = A.stats()["umem_free"]
         src, dst = bytearray(os.urandom(65536)), bytearray(65536)
         ma, mb = A.reg_mr(src), B.reg_mr(dst)

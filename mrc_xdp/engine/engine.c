@@ -1735,6 +1735,9 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 		if (rc == -EAFNOSUPPORT || rc == -ENOPROTOOPT)
 			snprintf(err, errlen, "AF_XDP sockets are not available in this kernel "
 				 "(CONFIG_XDP_SOCKETS): the transport engine cannot run here");
+		else if (rc == -EBUSY)
+			snprintf(err, errlen, "%s queue %u already has an AF_XDP socket: one endpoint "
+				 "per instance; close the other one first", e->o.ifname, e->o.queue);
 		else
 			snprintf(err, errlen, "AF_XDP socket on %s queue %u: %s: is the datapath loaded "
 				 "and the device up?", e->o.ifname, e->o.queue, strerror(-rc));
