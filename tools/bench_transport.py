@@ -322,16 +322,21 @@ def spread(before, after):
 
 
 def mptcp_setup(prefix, addrs, mesh: bool):
+    """MPTCP path manager endpoints: one subflow per plane NIC (h0's plane-1 address as
+    a subflow endpoint), or (mesh) both of h0's addresses as full-mesh endpoints with
+    h2 announcing its plane-1 address: 2 x 2 subflows.  No `dev` on the endpoints: a
+    subflow bound to a device would drop its replies, which come back over the plane
+    of the peer's address."""
     for h in ("h0", "h2"):
         ns = prefix + h
         ip(ns, "mptcp", "endpoint", "flush")
         ip(ns, "mptcp", "limits", "set", "subflow", "8", "add_addr_accepted", "8")
     if mesh:
-        ip(prefix + "h2", "mptcp", "endpoint", "add", addrs["h2"][1], "dev", "p1", "signal")
-        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][0], "dev", "p0", "subflow", "fullmesh")
-        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "dev", "p1", "subflow", "fullmesh")
+        ip(prefix + "h2", "mptcp", "endpoint", "add", addrs["h2"][1], "signal")
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][0], "subflow", "fullmesh")
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "subflow", "fullmesh")
     else:
-        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "dev", "p1", "subflow")
+        ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "subflow")
 
 
 def lab_up(mode, rate, progress=log):
