@@ -172,18 +172,19 @@ class Top:
         for c in ("CONN", "EV", "PLANE", "T1", "ROLE", "STATE", "PKT/S", "RTT(us)", "LOSS", "REASON"):
             t.add_column(c, justify="right" if c in ("PKT/S", "RTT(us)", "LOSS", "PLANE", "T1") else "left")
         nev = len(self.events)
-        room = max(3, height - 8 - min(nev, 12))
+        room = max(3, height - 7 - min(nev, 12))
         first = max(0, self.cursor - room + 1)
         for i, r in enumerate(self.rows[first:first + room], first):
             t.add_row(r["conn_name"] or str(r["conn"]), "%#010x" % r["ev"], str(r["plane"]), str(r["t1"]), r["role"],
                       Text(r["state"], style=STATE_STYLE.get(r["state"], "")), "%.0f" % r["rate"],
                       "-" if r["rtt"] is None else "%.0f" % (r["rtt"] * 1e6), str(r["loss"]), r["reason"],
                       style="reverse" if i == self.cursor else None)
-        ev = Text("recent events:\n", style="bold")
+        lines = [Text("recent events:", style="bold")]
         for e in list(self.events)[-12:]:
-            ev.append(health.format_event(e) + "\n")
-        keys = Text("keys: s sort  c connection  j/k move  d deny  a allow  q quit   " + self.msg, style="dim")
-        return Group(head, bal, t, ev, keys)
+            lines.append(Text(health.format_event(e), no_wrap=True, overflow="ellipsis"))
+        keys = Text(self.msg + "   " if self.msg else "", style="bold", no_wrap=True, overflow="ellipsis")
+        keys.append("keys: s sort  c connection  j/k move  d deny  a allow  q quit", style="dim")
+        return Group(head, keys, bal, t, *lines)
 
     def close(self) -> None:
         if self.rb is not None:
