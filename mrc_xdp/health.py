@@ -401,6 +401,11 @@ class InstanceHealth:
         self.hub.publish(event_dict(self.name, raw))
 
     def _daemon_event(self, row: dict, old: str, new: str, reason) -> None:
+        """A change the daemon made: the datapath's mrc_evop (maps.set_ev_state) writes its
+        event into the ring like any other; an instance loaded without mrc_evop gets one
+        published here instead."""
+        if self.inst.evop_fd() is not None:
+            return
         self.hub.publish({"instance": self.name, "ts_ns": time.monotonic_ns(), "conn": row["conn"],
                           "ev": row["ev"], "slot": row["slot"], "plane": row["plane"], "old": old,
                           "new": new, "reason": reason.name, "other_ev": 0, "source": "daemon"})
