@@ -122,10 +122,11 @@ def test_random_loss(env, ppm):
     print("loss %.0f%%: %d packets, %d dropped on the way, %d retransmitted (sack %d, timeout %d), "
           "%.2f s" % (ppm / 1e4, npk, lost, sa["rtx_pkts"], sa["rtx_sack"], sa["rtx_timeout"], dt))
     assert lost > 0
-    # selective: each lost data packet is resent about once; spurious resends (lost
-    # SACKs, tail timeouts) stay within the loss rate again
-    assert sa["rtx_pkts"] >= lost * 0.5
-    assert sa["rtx_pkts"] <= npk * (3 * ppm / 1e6) + 64, sa
+    # selective: each lost data packet is resent (drop_loss also counts the odd non-MRC
+    # frame), spurious resends (lost SACKs, tail timeouts) stay below the losses again;
+    # measured here: resends = drops exactly in most runs
+    assert sa["rtx_pkts"] >= lost * 0.9
+    assert sa["rtx_pkts"] <= 2 * lost + 64, sa
     assert sa["rtx_sack"] > 0                 # most losses found from the SACK bitmap
     assert sb["rx_pkts"] == npk               # every PSN placed exactly once
     assert sa["state_name"] == "rts"

@@ -23,10 +23,11 @@
  * left a hole, was a duplicate or carried AckReq; else ack_delay_us after the first
  * unacknowledged one; and a SACK of its own, at once, for each CE-marked packet (so
  * M=SKIP_ONCE echoes the EV that was marked).
- * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN missing
- * from a SACK bitmap at least loss_reorder below its highest set bit (or below the
- * bitmap) is lost if its last transmission was sent before the packet that triggered the
- * SACK; NACK TRIMMED: retransmit at once; RTO with exponential backoff, retry_limit
+ * SACK bitmaps start at cack; when the newest packet is 64 or more beyond cack a second
+ * SACK follows whose bitmap ends at it.
+ * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN a SACK
+ * reports missing at least loss_reorder below the newest PSN it acknowledges is lost if
+ * its last transmission was sent before the packet that triggered the SACK; NACK TRIMMED: retransmit at once; RTO with exponential backoff, retry_limit
  * consecutive expiries without progress -> QP error.  Selective retransmission only.
  */
 #define _GNU_SOURCE
@@ -924,19 +925,19 @@ static inline void rcv_set(struct qp *q, uint32_t psn, int v)
 		q->rcv_bm[i / 64] &= ~(1ull << (i % 64));
 }
 
-static void send_sack(struct mrc_eng *e, struct qp *q)
+/* One SACK frame whose bitmap starts at base; 0 if it went out. */
+static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m)
 {
 	uint32_t frame_len = OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN + MRC_ICRC_LEN;
-	uint32_t cack = q->rcv_cack, trig = q->ack_psn, base, i, d;
+	uint32_t cack = q->rcv_cack, trig = q->ack_psn, i, d;
 	uint64_t addr, bm = 0;
 	uint8_t *f, *h, *cc;
 	int16_t aoff, soff;
 
 	f = tx_frame(e, &addr);
 	if (!f)
-		return;                          /* no frame: the timer retries */
+		return -1;                       /* no frame: the timer retries */
 	d = psn_sub(trig, cack);
-	base = (d < 64 || d >= PSN_HALF) ? cack : (trig - 63) & PSN_MASK;
 	for (i = 0; i < 64; i++) {
 		uint32_t p = (base + i) & PSN_MASK;
 
@@ -952,7 +953,7 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 		   0, 0, cack);
 	h = f + OFF_EXT;
 	memset(h, 0, MRC_SETH_LEN + MRC_CCSTATE_LEN);
-	h[1] = (uint8_t)((q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
+	h[1] = (uint8_t)((with_m && q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
 	put16(h + 2, (uint16_t)aoff);
 	put32(h + 4, q->ack_ev);
 	put24(h + 13, cack);
@@ -965,8 +966,23 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 	cc[4] = 0;                               /* r_c 0, rcv_cwnd_pen 0 */
 	put24(cc + 5, (uint32_t)(q->rcvd_bytes & 0xFFFFFF));
 	finish_frame(f, frame_len);
-	if (tx_submit(e, addr, frame_len) == 0)
-		q->st.sacks_tx++;
+	if (tx_submit(e, addr, frame_len))
+		return -1;
+	q->st.sacks_tx++;
+	return 0;
+}
+
+/* SACK the newest packet (ack_psn).  The bitmap starts at cack: exact news of the holes
+ * recovery needs first.  When the newest packet lies 64 or more beyond cack, a second
+ * SACK with the bitmap ending at it acknowledges what arrived out there too. */
+static void send_sack(struct mrc_eng *e, struct qp *q)
+{
+	uint32_t d = psn_sub(q->ack_psn, q->rcv_cack);
+
+	if (sack_frame(e, q, q->rcv_cack, 1))
+		return;
+	if (d >= 64 && d < PSN_HALF)
+		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0);
 	q->ack_pending = 0;
 	q->ack_now = 0;
 	q->ack_ce = 0;
@@ -1228,7 +1244,7 @@ static void advance_una(struct mrc_eng *e, struct qp *q, uint64_t now)
 
 static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 {
-	uint32_t cack = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una), base, trig, i, hi, p;
+	uint32_t cack = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una), base, trig, i, p;
 	int16_t aoff = (int16_t)get16(h + 2), soff = (int16_t)get16(h + 18);
 	uint64_t bm = get64(h + 20), acked = 0, rtt = 0, now = now_ns(), trig_seq = 0;
 	uint8_t m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
@@ -1269,19 +1285,26 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	}
 	if (rtt)
 		rtt_sample(e, q, rtt);
-	/* RACK, as the datapath's sack_losses(): holes well below the newest SACKed PSN,
-	 * sent before the triggering packet, are lost. */
-	if (trig_known && bm) {
-		hi = 63 - __builtin_clzll(bm);
-		for (p = cack; p != base && psn_sub(p, cack) < span; p = (p + 1) & PSN_MASK) {
-			struct txp *t = &q->tx[p & q->mask];
+	/* RACK, as the datapath's sack_losses(): a PSN the SACK reports missing at least
+	 * loss_reorder below the newest PSN it acknowledges (the bitmap's highest bit, or the
+	 * triggering packet when that lies beyond the bitmap), sent before the triggering
+	 * packet, is lost.  cack itself is always missing; PSNs between cack and a bitmap
+	 * that starts later (another receiver's choice) are unknown and wait. */
+	if (trig_known) {
+		int32_t hi_eff = bm ? 63 - __builtin_clzll(bm) : -1;
+		uint32_t toff = psn_sub(trig, base), gap = psn_sub(base, cack);
 
-			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
+		if (toff < PSN_HALF && (int32_t)toff > hi_eff)
+			hi_eff = (int32_t)toff;
+		if (gap && gap < span && (int64_t)hi_eff + gap >= e->o.loss_reorder) {
+			struct txp *t = &q->tx[cack & q->mask];
+
+			if (t->psn == cack && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
 				mark_lost(q, t);
 				q->st.rtx_sack++;
 			}
 		}
-		for (i = 0; i + e->o.loss_reorder <= hi; i++) {
+		for (i = 0; (int64_t)i + e->o.loss_reorder <= hi_eff && i < 64; i++) {
 			struct txp *t;
 
 			if (bm >> i & 1)
