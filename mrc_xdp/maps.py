@@ -403,6 +403,23 @@ class Instance:
             out.append({"conn": key.conn, "conn_name": name, "ev": key.ev, "pkts": pk, "bytes": by, "ce": ce})
         return sorted(out, key=lambda r: (r["conn"], r["ev"]))
 
+    # -- probe answers
+    def probe_limit(self) -> dict:
+        c = ffi.cast("struct mrc_config *", ffi.from_buffer(self.map("mrc_cfg").lookup(0)))
+        return {"rate": c.probe_rate, "burst": c.probe_burst}
+
+    def set_probe_limit(self, rate: int, burst: int) -> dict:
+        """Probe answers this instance's datapath sends: at most rate per second (0: none),
+        bursts of burst.  Returns the new limit."""
+        if not (0 <= rate < 1 << 32 and 0 <= burst < 1 << 32):
+            raise ValueError("probe rate and burst: 0 .. 2^32-1, got %r, %r" % (rate, burst))
+        mp = self.map("mrc_cfg")
+        c = ffi.new("struct mrc_config *")
+        ffi.memmove(c, mp.lookup(0), sizeof("struct mrc_config"))
+        c.probe_rate, c.probe_burst = rate, burst
+        mp.update(0, to_bytes(c))
+        return self.probe_limit()
+
     # -- operator actions
     def find_ev(self, ev: int, conn: int | None = None):
         """(connection id, slot) of EV ev, in connection conn or the first that has it."""

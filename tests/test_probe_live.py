@@ -85,3 +85,10 @@ def test_probe_rtts_on_a_pair(pair):
         assert cb["ing_probe_answered"] == answered and cb["ing_probe_not_peer"] == 0
         assert ca["ing_probe_ans"] == answered and ca["ing_probe_ans_unknown"] == 0
         assert list(inst.map("mrc_probes").keys()) == [], "every probe entry was removed"
+        # the peer's answer limit, set through its pins: no answers at rate 0
+        with maps.Instance(ib) as peer:
+            assert peer.probe_limit() == {"rate": maps.PROBE_RATE_DEFAULT, "burst": maps.PROBE_BURST_DEFAULT}
+            peer.set_probe_limit(0, 1)
+            with Prober() as p2:
+                assert p2.probe(ia, 0, good, count=1, timeout=0.3) == [None]
+            assert peer.counters()["ing_probe_rate"] == 1
