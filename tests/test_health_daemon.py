@@ -243,3 +243,15 @@ def test_config_errors(tmp_path):
         p = H.cli("daemon", "--config", str(f), "--seconds", "1", check=False)
         assert p.returncode == 1 and msg in p.stderr and "Traceback" not in p.stderr, (text, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_example_config_and_unit():
+    """contrib/daemon.toml is the documented default set; the unit runs `mrc-xdp daemon`."""
+    from mrc_xdp.health import HealthConfig
+    c = HealthConfig.from_toml(os.path.join(H.ROOT, "contrib", "daemon.toml"))
+    d = HealthConfig()
+    d.socket = "/run/mrc-xdp/events.sock"
+    assert c == d
+    with open(os.path.join(H.ROOT, "contrib", "mrc-xdp-daemon.service")) as f:
+        unit = f.read()
+    assert "ExecStart=" in unit and "mrc-xdp daemon --config /etc/mrc-xdp/daemon.toml" in unit
