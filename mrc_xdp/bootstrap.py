@@ -306,3 +306,29 @@ def lab_control_path(prefix: str, topo=None) -> dict:
 def _sysctl(key: str, value: str) -> None:
     with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
         f.write(value)
+
+
+def main(argv=None) -> int:
+    """`python -m mrc_xdp.bootstrap lab-control-path [PREFIX]`: give a running lab's
+    hosts their control addresses (prints them)."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m mrc_xdp.bootstrap")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("lab-control-path", help="control addresses and routes for a running lab")
+    p.add_argument("prefix", nargs="?", default=None, help="lab prefix (default: mrc- or $MRC_LAB_PREFIX)")
+    args = ap.parse_args(argv)
+    import os
+    prefix = args.prefix or os.environ.get("MRC_LAB_PREFIX", "mrc-")
+    try:
+        addrs = lab_control_path(prefix)
+    except Exception as e:      # one line, as every mrc-xdp error
+        print("lab-control-path: %s" % e, file=sys.stderr)
+        return 1
+    for h, a in addrs.items():
+        print("%s %s" % (h, " ".join(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,6 +63,16 @@ def ip(ns, *a):
     return r.stdout
 
 
+def cpu_of(fn):
+    """(fn(), CPU seconds: user + sys of this process and of the children it waited for
+    meanwhile).  Softirq work the kernel does on behalf of others is not in it."""
+    import resource
+    a = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    r = fn()
+    b = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return r, sum((y.ru_utime - x.ru_utime) + (y.ru_stime - x.ru_stime) for x, y in zip(a, b))
+
+
 def mbps(bps) -> str:
     return "%.1f Mbit/s" % (bps / 1e6)
 
@@ -278,19 +288,24 @@ def part_a(args, out):
             % (args.mtu, payload, payload, args.reps, args.seconds))
         no_engine = engine_available()
         rows = {"mrc": [], "udp": [], "tcp": []}
+        cpu = {"mrc": [], "udp": [], "tcp": []}
         for rep in range(args.reps):
             if no_engine is None:
-                r = mrc_perf("write-bw", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18515 + rep,
-                             ["--duration", str(args.seconds), "--size", str(args.msg_size)])
+                r, c = cpu_of(lambda: mrc_perf("write-bw", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18515 + rep,
+                                               ["--duration", str(args.seconds), "--size", str(args.msg_size)]))
                 rows["mrc"].append(r["bw_avg_bps"])
-                log("  rep %d  MRC  %s" % (rep + 1, mbps(r["bw_avg_bps"])))
-            bps, info = iperf3(pr.b, pr.a, pr.B_P0, args.seconds, udp_len=payload)
+                cpu["mrc"].append(c / (r["bytes"] * r["iterations"] / 1e9))
+                log("  rep %d  MRC  %s  (%.2f CPU s/GB)" % (rep + 1, mbps(r["bw_avg_bps"]), cpu["mrc"][-1]))
+            (bps, info), c = cpu_of(lambda: iperf3(pr.b, pr.a, pr.B_P0, args.seconds, udp_len=payload))
             rows["udp"].append(bps)
-            log("  rep %d  UDP  %s (lost %.1f%%)" % (rep + 1, mbps(bps), info["lost_percent"]))
-            bps, info = iperf3(pr.b, pr.a, pr.B_P0, args.seconds)
+            cpu["udp"].append(c / max(bps * args.seconds / 8 / 1e9, 1e-9))
+            log("  rep %d  UDP  %s (lost %.1f%%)  (%.2f CPU s/GB)" % (rep + 1, mbps(bps), info["lost_percent"], cpu["udp"][-1]))
+            (bps, info), c = cpu_of(lambda: iperf3(pr.b, pr.a, pr.B_P0, args.seconds))
             rows["tcp"].append(bps)
-            log("  rep %d  TCP  %s (retransmits %s)" % (rep + 1, mbps(bps), info["retransmits"]))
-        res = {k: {"runs": v, "median": statistics.median(v)} for k, v in rows.items() if v}
+            cpu["tcp"].append(c / max(bps * args.seconds / 8 / 1e9, 1e-9))
+            log("  rep %d  TCP  %s (retransmits %s)  (%.2f CPU s/GB)" % (rep + 1, mbps(bps), info["retransmits"], cpu["tcp"][-1]))
+        res = {k: {"runs": v, "median": statistics.median(v), "cpu_s_per_gb": statistics.median(cpu[k])}
+               for k, v in rows.items() if v}
         res["tcp_rr_8B"] = tcp_rr(pr.b, pr.a, pr.B_P0)
         log("  TCP 8-byte request/response: p50 %.1f us, p99 %.1f us" % (
             res["tcp_rr_8B"]["p50_us"], res["tcp_rr_8B"]["p99_us"]))
@@ -484,8 +499,9 @@ def summary(out):
         print("(a) live pair, MTU %d, payload %d B (medians of %d runs):" % (a["mtu"], a["payload"], len(a["udp"]["runs"])))
         for k in ("mrc", "udp", "tcp"):
             if "median" in a.get(k, {}):
-                print("    %-4s %s   runs: %s" % (k.upper(), mbps(a[k]["median"]),
-                                                 ", ".join("%.1f" % (x / 1e6) for x in a[k]["runs"])))
+                print("    %-4s %s   runs: %s   %.2f CPU s/GB" % (k.upper(), mbps(a[k]["median"]),
+                                                               ", ".join("%.1f" % (x / 1e6) for x in a[k]["runs"]),
+                                                               a[k]["cpu_s_per_gb"]))
         if "median" in a.get("mrc", {}):
             print("    MRC / UDP = %.2fx   MRC / TCP = %.2fx" % (a["mrc"]["median"] / a["udp"]["median"],
                                                              a["mrc"]["median"] / a["tcp"]["median"]))
