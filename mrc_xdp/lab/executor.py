@@ -169,25 +169,31 @@ def wire_vm(ports: list, veth: dict | None, sysctls: list) -> dict:
     return {p["ifname"]: _ifindex(p["ifname"]) for p in ports}
 
 
-def vm_datapaths(topo: dict, prefix: str, node: str, pin_dir: str, hosts: bool = True) -> dict:
+def vm_datapaths(topo: dict, prefix: str, node: str, pin_dir: str, hosts: bool = True,
+                 linkmodel: bool = True) -> dict:
     """On a VM: the link model on the node's receiving link ends (this VM's own copy,
     pinned at pin_dir) and, on a host, its datapath chained behind it: fabric.py's and
-    hosts.py's functions, with this VM's ifindexes."""
+    hosts.py's functions, with this VM's ifindexes.  linkmodel=False: the datapath's own
+    ingress directly on the plane NICs (each bcc build is ~1-4 min in a TCG guest)."""
     import time
     from . import fabric, linkmodel as lmod
     from .topology import from_dict
     t = from_dict(topo)
-    t0 = time.monotonic()
-    lmod.ensure_bpffs()
-    lm = lmod.LinkModel.load()
-    lm.pin(pin_dir)
-    fabric.attach_linkmodel(lm, fabric.linkmodel_ends(t, node), ifindex_of=_ifindex)
-    out = {"linkmodel_s": round(time.monotonic() - t0, 1)}
+    out = {}
+    lm = None
+    if linkmodel:
+        t0 = time.monotonic()
+        lmod.ensure_bpffs()
+        lm = lmod.LinkModel.load()
+        lm.pin(pin_dir)
+        fabric.attach_linkmodel(lm, fabric.linkmodel_ends(t, node), ifindex_of=_ifindex)
+        out["linkmodel_s"] = round(time.monotonic() - t0, 1)
     if hosts and t.nodes[node].kind == "host":
         from . import hosts as hmod
         cfg = hmod.host_configs(t, prefix)[node]
         out["host"] = hmod.load_host(t, prefix, node, cfg, lm, netns_name=None, ifindex_of=_ifindex)
-    lm.close()
+    if lm is not None:
+        lm.close()
     return out
 
 

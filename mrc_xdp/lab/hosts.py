@@ -208,11 +208,12 @@ def chain_ingress(topo: Topology, prefix: str, host: str, lm: "lmod.LinkModel",
 def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm,
               netns_name=_HERE, ifindex_of=None) -> dict:
     """Load a host's datapath in its namespace (netns lab) or here (netns_name=None: on
-    the host's VM), behind the link model."""
+    the host's VM), behind the link model (lm None: no link model in front)."""
     from .. import loader
     ns = prefix + host if netns_name is _HERE else netns_name
     st = loader.load(cfg, netns_name=ns, force=True)
-    chain_ingress(topo, prefix, host, lm, netns_name=ns, ifindex_of=ifindex_of)
+    if lm is not None:
+        chain_ingress(topo, prefix, host, lm, netns_name=ns, ifindex_of=ifindex_of)
     return {"instance": cfg.instance, "load_s": st.get("load_seconds"),
             "connections": len(cfg.connections)}
 

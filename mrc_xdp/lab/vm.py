@@ -319,9 +319,11 @@ def _parallel(fn, names, workers: int | None = None) -> dict:
 
 
 def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_noop,
-                hosts: bool = True, datapaths: bool = True) -> dict:
+                hosts: bool = True, datapaths: bool = True, linkmodel=True) -> dict:
     """Configure every VM with the lab's own functions, run over SSH.  datapaths=False:
-    names, addresses and routes only (no bcc in the guests: the Vagrant smoke test)."""
+    names, addresses and routes only (no bcc in the guests: the Vagrant smoke test).
+    linkmodel: True (every node, as the netns lab), False, or the nodes that get it
+    (each bcc build costs 1-4 min of a TCG guest's CPU)."""
     names = list(topo.nodes)
     t = time.monotonic()
     _parallel(lambda n: execs[n].call(
@@ -336,10 +338,13 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
     if not datapaths:
         return {}
     t = time.monotonic()
+    lm_nodes = set(names) if linkmodel is True else set(linkmodel or ())
+    busy = [n for n in names if n in lm_nodes or (hosts and topo.nodes[n].kind == "host")]
     res = _parallel(lambda n: execs[n].call("vm_datapaths", topo=topo.to_dict(), prefix=prefix,
-                                            node=n, pin_dir=fabric.pin_dir(prefix), hosts=hosts), names)
-    progress("  link model%s in every VM (bcc in the guests)  %.1fs"
-             % (" and host datapaths" if hosts else "", time.monotonic() - t))
+                                            node=n, pin_dir=fabric.pin_dir(prefix), hosts=hosts,
+                                            linkmodel=n in lm_nodes), busy)
+    progress("  link model on %d VMs%s (bcc in the guests)  %.1fs"
+             % (len(lm_nodes), ", host datapaths" if hosts else "", time.monotonic() - t))
     return res
 
 
@@ -447,7 +452,7 @@ def qemu_argv(st: dict, node: dict, run_dir: str, img: dict) -> list[str]:
 
 
 def qemu_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_noop, hosts: bool = True,
-            boot_timeout: float = 600, datapaths: bool = True) -> dict:
+            boot_timeout: float = 600, datapaths: bool = True, linkmodel=True) -> dict:
     """Boot one VM per node with plain QEMU, then set every node up.  Returns the state."""
     _which("qemu-system-x86_64", "qemu-img", "ssh")
     img_info = build_image(progress)
@@ -478,7 +483,9 @@ def qemu_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_noop,
         _wait_ssh(execs, boot_timeout, progress, t_start)
         st["boot_s"] = round(time.monotonic() - t_start, 1)
         progress("  %d VMs booted in %.0fs" % (len(execs), st["boot_s"]))
-        st["hosts"] = setup_nodes(topo, prefix, execs, pl, progress, hosts=hosts, datapaths=datapaths)
+        st["hosts"] = setup_nodes(topo, prefix, execs, pl, progress, hosts=hosts, datapaths=datapaths,
+                                  linkmodel=linkmodel)
+        st["linkmodel"] = sorted(topo.nodes) if linkmodel is True else sorted(linkmodel or ())
         st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
         st["complete"] = True
         st["up_s"] = round(time.monotonic() - t_start, 1)
@@ -690,6 +697,16 @@ def vagrant_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_no
         raise
 
 
+MGMT_NET = "mrc-xdp-mgmt"      # vagrant/Vagrantfile's management_network_name
+
+
+def _domains() -> list[str]:
+    if not _libvirt_running():
+        return []
+    r = subprocess.run(VIRSH + ["list", "--all", "--name"], capture_output=True, text=True)
+    return [d for d in r.stdout.split() if d]
+
+
 def _vagrant_destroy(st: dict) -> None:
     for work in st.get("created", {}).get("vagrant", []):
         if not os.path.isdir(os.path.join(work, ".vagrant")):
@@ -697,6 +714,13 @@ def _vagrant_destroy(st: dict) -> None:
         env = _vagrant_env({"VAGRANT_DOTFILE_PATH": os.path.join(work, ".vagrant"),
                             "MRC_LAB_JSON": os.path.join(work, "topology.json")})
         subprocess.run(["vagrant", "destroy", "-f"], env=env, capture_output=True, timeout=600)
+    if st.get("created", {}).get("vagrant") and _libvirt_running():
+        # the management network vagrant-libvirt made for the lab (destroy normally removes it)
+        for net in (MGMT_NET,):
+            others = [d for d in _domains() if not d.startswith(st["prefix"])]   # might use it
+            if not others and subprocess.run(VIRSH + ["net-info", net], capture_output=True).returncode == 0:
+                subprocess.run(VIRSH + ["net-destroy", net], capture_output=True)
+                subprocess.run(VIRSH + ["net-undefine", net], capture_output=True)
     before = set((st.get("vagrant") or {}).get("volumes_before", []))
     if st.get("created", {}).get("vagrant") and _libvirt_running():
         for v in _pool_volumes():           # the box image vagrant uploaded for this lab
@@ -745,6 +769,9 @@ def leftovers(prefix: str) -> dict:
                     name = cmd[cmd.index(b"-name") + 1].decode()
                     if name.startswith(prefix):
                         qemus.append(name)
+    doms = [d for d in _domains() if d.startswith(prefix)]
+    if doms:
+        qemus += doms
     return {"qemu": qemus,
             "dirs": [d for d in ("/var/tmp/mrc-xdp-vmlab-%s" % prefix, "/var/tmp/mrc-xdp-vagrant-%s" % prefix)
                      if os.path.exists(d)],

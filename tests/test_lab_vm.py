@@ -1,0 +1,273 @@
+"""Tier 3: the lab on virtual machines (mrc_xdp.lab.vm), really run under QEMU (TCG).
+
+- the rendered VM topology (the JSON vagrant/Vagrantfile reads) is the netns lab's:
+  same nodes, NIC names and MACs, links pairing the same ends; `vagrant validate` takes it;
+- a small VM lab (2 hosts, one switch per plane, 2 planes: 4 VMs, plain QEMU, the cached
+  guest image) configured by the lab's own code over SSH: each VM's interfaces,
+  addresses and routes equal a netns lab's built from the same topology; a host sprays
+  over both planes (datapath counters: no transport engine in this test, see below);
+  a switch VM fails (frozen) and the sender's datapath retires that plane's EVs;
+- `vagrant up` / `vagrant destroy` of 3 VMs (vagrant-libvirt, UDP-tunnel links), the
+  same node set-up minus bcc, a ping over a link; libvirtd/virtlogd started and stopped.
+
+Everything created (VMs, daemons, bridges, iptables chains, directories, state) is removed
+and checked.  The guest image is built on first use (~6-10 min cold, cached afterwards
+under /var/cache/mrc-xdp/vm).  The transfer is verified with the datapath's and the
+receiver's counters (traffic.Sender/Receiver over AF_PACKET), not by the transport
+engine's hash check: the engine's end-to-end path is tested in the netns lab.
+"""
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+from mrc_xdp.lab import fabric, vm
+from mrc_xdp.lab.executor import SshNode
+from mrc_xdp.lab.hosts import instance_name, qpn
+from mrc_xdp.lab.topology import from_dict, load
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (VMs, netns)")
+
+TAG = "%x" % (os.getpid() & 0xFFFF)
+CI_TOPO = {"name": "vmci", "mode": "srv6", "planes": 2, "t0_per_plane": 1, "t1_per_plane": 0,
+           "hosts": [{"name": "h0", "t0": 0}, {"name": "h1", "t0": 0}]}
+SMOKE_TOPO = dict(CI_TOPO, name="vsmoke", planes=1)
+LM_NODE = "p0t0s0"          # the VM that gets the link model in the CI scenario
+
+
+def say(msg):
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- rendering
+def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
+    topo = load()
+    r = vm.render(topo, "rv%s-" % TAG)
+    assert [n["name"] for n in r["nodes"]] == list(topo.nodes)
+    ends = {}
+    for n in r["nodes"]:
+        ports = topo.nodes[n["name"]].ports
+        assert [(c["ifname"], c["mac"], c["mtu"], c["peer"]) for c in n["nics"]] == \
+            [(p.ifname, p.mac, topo.mtu, p.peer.node) for p in ports]
+        assert n["memory"] == (vm.MEM_HOST if n["kind"] == "host" else vm.MEM_SWITCH)
+        for c in n["nics"]:
+            ends.setdefault(c["link"], []).append((n["name"], c["local_port"], c["remote_port"]))
+    # one UDP socket pair per topology link, the two ends pointing at each other
+    assert sorted(ends) == sorted(lk.name for lk in topo.links)
+    for name, pair in ends.items():
+        (a, la, ra), (b, lb, rb) = pair
+        assert {a, b} == set(name.split("-")) and (la, ra) == (rb, lb)
+    ports = [c["local_port"] for n in r["nodes"] for c in n["nics"]] + [n["ssh_port"] for n in r["nodes"]]
+    assert len(ports) == len(set(ports))
+    assert r["driver"] in ("qemu", "kvm") and r["accel_reason"]
+
+    # the CLI writes the same rendering; vagrant validates the Vagrantfile with it
+    out = tmp_path / "topology.json"
+    p = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "python"), "-m", "mrc_xdp.lab.cli",
+                        "lab", "render", "--json", "-o", str(out), "--prefix", "rv%s-" % TAG],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in got["nodes"]] == \
+        [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in r["nodes"]]
+    if not shutil.which("vagrant"):
+        pytest.fail("vagrant is not installed: run `make vm-setup`")
+    env = dict(os.environ, VAGRANT_CWD=vm.VAGRANT_DIR, MRC_LAB_JSON=str(out),
+               VAGRANT_DOTFILE_PATH=str(tmp_path / ".vagrant"), VAGRANT_CHECKPOINT_DISABLE="1")
+    p = subprocess.run(["vagrant", "validate"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "validated successfully" in p.stdout, p.stdout + p.stderr
+    # and refuses to run without a rendering, in one line
+    env["MRC_LAB_JSON"] = str(tmp_path / "missing.json")
+    p = subprocess.run(["vagrant", "validate"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "mrc-xdp lab render --json" in p.stderr
+
+
+# ---------------------------------------------------------------- the QEMU lab
+@pytest.fixture(scope="module")
+def vmlab():
+    prefix = "mv%s-" % TAG
+    topo = from_dict(CI_TOPO)
+    t0 = time.monotonic()
+    info = vm.build_image(say)
+    t_img = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:
+        # the link model on one switch only: every bcc build is 1-4 min of a TCG guest's CPU
+        st = vm.qemu_up(topo, prefix, progress=say, linkmodel=[LM_NODE])
+        say("timing: image %.0fs (%s), lab up %.0fs (boot %.0fs)"
+            % (t_img, "cached" if info.get("cached") else "built", time.monotonic() - t0, st["boot_s"]))
+        yield prefix, topo, st
+    finally:
+        t0 = time.monotonic()
+        vm.down(prefix, progress=say)
+        say("timing: lab down %.1fs" % (time.monotonic() - t0))
+        assert vm.leftovers(prefix) == {"qemu": [], "dirs": [], "state_file": []}
+
+
+def _links(ex_or_ns, vm_node=True):
+    """{ifname: (mac, mtu, [global addresses])} and the IPv6 routes of a node."""
+    if vm_node:
+        links = json.loads(ex_or_ns.run(["ip", "-j", "addr", "show"]).stdout)
+        routes = json.loads(ex_or_ns.run(["ip", "-6", "-j", "route", "show"]).stdout)
+    else:
+        links = json.loads(subprocess.run(["ip", "-n", ex_or_ns, "-j", "addr", "show"], capture_output=True,
+                                          text=True, check=True).stdout)
+        routes = json.loads(subprocess.run(["ip", "-n", ex_or_ns, "-6", "-j", "route", "show"],
+                                           capture_output=True, text=True, check=True).stdout)
+    out = {}
+    for ln in links:
+        if ln["ifname"] in ("lo", "eth0"):
+            continue
+        addrs = sorted("%s/%d" % (a["local"], a["prefixlen"]) for a in ln.get("addr_info", [])
+                       if a.get("scope") == "global")
+        out[ln["ifname"]] = (ln["address"], ln["mtu"], addrs, "UP" in ln["flags"])
+    rts = sorted(json.dumps({k: r.get(k) for k in ("dst", "gateway", "dev", "encap", "nexthops")},
+                            sort_keys=True) for r in routes if r.get("dev") != "eth0" and "fe80" not in r["dst"])
+    return out, rts
+
+
+def test_vm_nodes_equal_the_netns_lab(vmlab):
+    prefix, topo, st = vmlab
+    execs = vm.execs_of(st)
+    nprefix = "mn%s-" % TAG
+    fabric.up(topo, prefix=nprefix)       # the same topology as namespaces (no datapaths)
+    try:
+        for node in topo.nodes:
+            got_vm = _links(execs[node])
+            got_ns = _links(nprefix + node, vm_node=False)
+            assert got_vm[0] == got_ns[0], (node, got_vm[0], got_ns[0])
+            assert got_vm[1] == got_ns[1], (node, got_vm[1], got_ns[1])
+            assert got_vm[0], node
+    finally:
+        fabric.down(nprefix)
+    assert fabric.leftovers(nprefix) == {"netns": [], "pins": [], "state_file": []}
+    # XDP: the link model on every VM port (native mode on virtio-net), the datapath on hosts
+    # XDP in native (driver) mode on virtio-net: the datapath on the hosts' NICs, the link
+    # model on the ports of LM_NODE; nothing on the other switch
+    for node in topo.nodes:
+        n = topo.nodes[node]
+        devs = [p.ifname for p in n.ports] + (["mrc0", "mrc0p"] if n.kind == "host" else [])
+        for dev in devs:
+            j = json.loads(execs[node].run(["ip", "-j", "-d", "link", "show", "dev", dev]).stdout)[0]
+            want = n.kind == "host" or node == LM_NODE
+            assert (j.get("xdp", {}).get("mode") == 1) == want, (node, dev, j.get("xdp"))
+    for h in topo.hosts:
+        assert st["hosts"][h.name]["host"]["instance"] == instance_name(prefix, h.name)
+
+
+def _counters(ex, prefix, host):
+    return ex.call("counters", instance=instance_name(prefix, host))
+
+
+def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
+    prefix, topo, st = vmlab
+    execs = vm.execs_of(st)
+    h0, h1 = topo.host("h0"), topo.host("h1")
+    rx_args = dict(local=h1.addr, peer=h0.addr, local_qpn=qpn(1, 0), peer_qpn=qpn(0, 1),
+                   expect=10**9, seconds=600, ready="/run/mrc-rx.ready", stop="/run/mrc-rx.stop")
+    res = {}
+
+    def receive():
+        try:
+            res["rx"] = execs["h1"].call("traffic_receive", **rx_args)
+        except Exception as e:
+            res["err"] = e
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 120
+        while execs["h1"].run(["test", "-e", rx_args["ready"]], check=False).returncode:
+            assert time.monotonic() < deadline and th.is_alive(), res.get("err", "receiver did not start")
+            time.sleep(1)
+        n = 600
+        t0 = time.monotonic()
+        out = execs["h0"].call("traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0), count=n, pps=200)
+        assert out["sent"] == n
+        # every frame crossed a switch VM and reached h1's datapath; SACKs came back
+        deadline = time.monotonic() + 60
+        while True:
+            a, b = _counters(execs["h0"], prefix, "h0"), _counters(execs["h1"], prefix, "h1")
+            if a["counters"]["ing_sack"] >= n or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        say("healthy phase: %d frames in %.0fs" % (n, time.monotonic() - t0))
+        ca, cb = a["counters"], b["counters"]
+        assert ca["spray_tx"] == n and ca["spray_data"] == n
+        planes = {}
+        for r in a["evs"]:
+            planes[r["plane"]] = planes.get(r["plane"], 0) + r["tx_pkts"]
+        assert sorted(planes) == [0, 1] and abs(planes[0] - planes[1]) <= 0.1 * n, planes
+        assert cb["ing_data"] == n, cb
+        assert ca["ing_sack"] == n and ca["ing_fb_no_conn"] == 0, ca
+        # (a few EVs may be retired already: TCG timing reorders frames across the planes
+        # beyond the datapath's loss_reorder, and those holes count as losses)
+        healthy_bad = [r for r in a["evs"] if r["state"] != "GOOD"]
+        say("healthy phase: plane split %s, EVs retired by reordering: %d" % (planes, len(healthy_bad)))
+        # the link model in the switch VM counted exactly h0's plane-0 frames at port h0
+        lc = execs[LM_NODE].call("link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0", "h1"])
+        assert lc["h0"]["mrc_pkts"] == planes[0], (lc, planes)
+        assert lc["h1"]["mrc_pkts"] > 0, lc
+        # the switch of plane 1 fails (its VM frozen): h0's datapath retires plane 1's EVs
+        vm.fail(prefix, "p1t0s0")
+        try:
+            out = execs["h0"].call("traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0),
+                                   count=n, pps=200, psn=n)
+            time.sleep(3)
+            a2 = _counters(execs["h0"], prefix, "h0")
+            b2 = _counters(execs["h1"], prefix, "h1")
+        finally:
+            vm.heal(prefix, "p1t0s0")
+        ev1 = [r for r in a2["evs"] if r["plane"] == 1]
+        ev0 = [r for r in a2["evs"] if r["plane"] == 0]
+        retired = [r for r in ev1 if r["state"] != "GOOD"]
+        say("after the failure: plane-1 EVs %s; loss counted %d; h1 got %d of %d"
+            % ({r["state"] for r in ev1}, a2["counters"]["ing_loss"],
+               b2["counters"]["ing_data"] - cb["ing_data"], n))
+        assert a2["counters"]["ing_loss"] > ca["ing_loss"]
+        # plane 1's EVs are retired for losses: no active slot of plane 1 holds a GOOD EV
+        assert len(retired) >= 8, ev1
+        assert not [r for r in ev1 if r["role"] == "active" and r["state"] == "GOOD"], ev1
+        assert all(r["state"] == "ASSUMED_BAD" for r in retired), ev1
+        assert any(r["reason"] == "LOSS" for r in retired), ev1
+        # plane 0 carries on: its EVs that are active sent the failure phase's traffic
+        good0 = [r for r in ev0 if r["state"] == "GOOD" and r["role"] == "active"]
+        assert good0, ev0
+        # after retirement, what still goes out goes over plane 0: h1 got more than half
+        got = b2["counters"]["ing_data"] - cb["ing_data"]
+        assert got > n // 2, got
+    finally:
+        execs["h1"].run(["touch", rx_args["stop"]], check=False)
+        th.join(timeout=60)
+    assert "err" not in res, res.get("err")
+
+
+# ---------------------------------------------------------------- vagrant
+def test_vagrant_up_destroy_smoke():
+    if not shutil.which("vagrant"):
+        pytest.fail("vagrant is not installed: run `make vm-setup`")
+    prefix = "vg%s-" % TAG
+    topo = from_dict(SMOKE_TOPO)
+    daemons_before = vm._libvirt_running()
+    chains_before = vm._iptables_chains()
+    bridges_before = set(os.listdir("/sys/class/net"))
+    t0 = time.monotonic()
+    try:
+        st = vm.vagrant_up(topo, prefix, progress=say, datapaths=False)
+        say("timing: vagrant lab up %.0fs (vagrant up %.0fs)" % (time.monotonic() - t0, st["boot_s"]))
+        execs = vm.execs_of(st)
+        gw = topo.gateway("h0", 0)
+        execs["h0"].run(["ping", "-6", "-c", "3", "-W", "5", gw.addr])      # over a UDP tunnel link
+        got = json.loads(execs["p0t0s0"].run(["ip", "-j", "link", "show", "h1"]).stdout)[0]
+        assert got["address"] == topo.port("p0t0s0", "h1").mac
+    finally:
+        t0 = time.monotonic()
+        vm.down(prefix, progress=say)
+        say("timing: vagrant destroy and clean-up %.0fs" % (time.monotonic() - t0))
+    assert vm.leftovers(prefix) == {"qemu": [], "dirs": [], "state_file": []}
+    assert vm._libvirt_running() == daemons_before
+    assert vm._iptables_chains() == chains_before
+    assert set(os.listdir("/sys/class/net")) - bridges_before == set()
