@@ -1747,13 +1747,20 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 		snprintf(err, errlen, "UMEM of %llu bytes: %s", (unsigned long long)e->area_len, strerror(errno));
 		goto fail;
 	}
-	rc = -EOPNOTSUPP;
-	if (e->o.zero_copy != 1)
-		rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY);
-	if (rc == 0)
-		e->st.zero_copy = 1;
-	else if (e->o.zero_copy != 2)
-		rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY);
+	/* The kernel frees a closed socket's hold on the queue from a workqueue, so a queue
+	 * just given up may still be busy for a moment: retry EBUSY for up to a second. */
+	for (i = 0; i < 50; i++) {
+		rc = -EOPNOTSUPP;
+		if (e->o.zero_copy != 1)
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY);
+		if (rc == 0)
+			e->st.zero_copy = 1;
+		else if (e->o.zero_copy != 2)
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY);
+		if (rc != -EBUSY)
+			break;
+		usleep(20000);
+	}
 	if (rc) {
 		if (rc == -EAFNOSUPPORT || rc == -ENOPROTOOPT)
 			snprintf(err, errlen, "AF_XDP sockets are not available in this kernel "
