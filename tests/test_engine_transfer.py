@@ -12,7 +12,6 @@ import time
 import pytest
 
 from mrc_xdp import netns, transport, wire
-from mrc_xdp.shared import Opcode
 
 import engine_pair as ep_
 
