@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import fcntl
 import ipaddress
 import os
@@ -244,7 +245,13 @@ class QP:
         rc = lib.mrc_eng_post_write(self._ep._e, self.qpn, wr_id & 0xFFFFFFFFFFFFFFFF,
                                     mr.addr + offset, mr.lkey, length, remote_addr, rkey,
                                     imm is not None, (imm or 0) & 0xFFFFFFFF)
-        _check(rc, "post_write on qp %#x" % self.qpn)
+        if rc < 0:
+            why = {errno.ENOTCONN: "not connected: call connect() first",
+                   errno.EPIPE: "in the error state: destroy it and create a new QP",
+                   errno.EFAULT: "the local range is not inside a registered MR with local access",
+                   errno.EMSGSIZE: "a message is at most 4 GiB - 1 (RETH DMA length is 32 bits)",
+                   errno.ENOENT: "destroyed"}.get(-rc, os.strerror(-rc))
+            raise TransportError("post_write on qp %#x: %s" % (self.qpn, why))
 
     @property
     def state(self) -> QpState:

@@ -211,7 +211,7 @@ def test_bad_rkey_and_out_of_region(eps, pair):
                 assert B.stats()["bad_rkey"] > before
                 assert qa.state == transport.QpState.ERROR and qb.state == transport.QpState.ERROR
                 assert qa.stats()["nacks_rx_other"] >= 1 and qb.stats()["nacks_tx_access"] >= 1
-                with pytest.raises(transport.TransportError):
+                with pytest.raises(transport.TransportError, match="error state"):
                     qa.post_write(10, ma, 0, 1, ms.addr, ms.rkey)
             finally:
                 qa.destroy()
