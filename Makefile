@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo test bench clean
+.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo test bench evaluate clean
 
 setup:
 	bash scripts/setup.sh
@@ -43,6 +43,10 @@ kmatrix: kmatrix-setup
 
 bench: setup
 	$(PY) tools/bench_xdp.py
+
+# the evaluation (tools/evaluate.py): experiment suite on the netns lab -> results/REPORT.md + plots
+evaluate: setup
+	$(PY) tools/evaluate.py --out results
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -81,8 +81,9 @@ def mbps(bps) -> str:
 
 _PORTS = 0
 
-def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=None):
-    """Goodput (bits/s at the receiver) of iperf3 TCP (udp_len None) or UDP -b 0."""
+def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=None, cport=None):
+    """Goodput (bits/s at the receiver) of iperf3 TCP (udp_len None) or UDP -b 0;
+    cport: a fixed client port (a fixed ECMP path)."""
     global _PORTS
     _PORTS += 1
     port = port or 5201 + (os.getpid() + _PORTS) % 2000
@@ -99,6 +100,8 @@ def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=N
         argv = ["iperf3", "-c", addr, "-p", str(port), "-t", str(seconds), "-J", "-P", str(parallel)]
         if udp_len:
             argv += ["-u", "-b", "0", "-l", str(udp_len)]
+        if cport:
+            argv += ["--cport", str(cport)]
         r = ns_cmd(client_ns, argv, capture_output=True, text=True, timeout=seconds + 30)
         j = json.loads(r.stdout)
         if "error" in j or "sum_received" not in j.get("end", {}) and not udp_len:
