@@ -60,6 +60,7 @@ LINK_DOWN = getattr(EvReason, "LINK_DOWN", EvReason.OPERATOR)      # with ASSUME
 LINK_UP = getattr(EvReason, "LINK_UP", EvReason.OPERATOR)          # back to GOOD
 PROBE_FAIL = getattr(EvReason, "PROBE_FAIL", EvReason.LOSS)        # background probes lost
 TICK = 0.02                 # main loop: ring polls, due probes
+ROWS_S = 0.05               # EV states re-read at most this often per instance
 RESCAN_S = 1.0              # new/removed instances, link resync
 
 IFF_UP, IFF_RUNNING = 0x1, 0x40
@@ -498,11 +499,25 @@ class InstanceHealth:
         j = self.cfg.jitter_pct / 100.0
         return base / 1000.0 * (1 + self.rng.uniform(-j, j))
 
+    def _ev_now(self, cid: int, ev: int) -> dict | None:
+        """The current state of one EV (two map lookups), None when it left the set."""
+        slot = maps.ev_slot(self.inst.map("mrc_evidx"), cid, ev)
+        if slot is None:
+            return None
+        raw = self.inst.map("mrc_evs").lookup(cid * maps.SLOTS + slot)
+        if raw is None:
+            return None
+        e = ffi.cast("struct mrc_ev *", ffi.from_buffer(raw))
+        return {"conn": cid, "ev": ev, "slot": slot, "plane": e.plane, "t1": e.t1,
+                "state": _name(EvState, e.state), "reason": _name(EvReason, e.reason)}
+
     def tick(self) -> None:
         if self.prober is None:
             return
         now = time.monotonic()
-        rows = ev_states(self.inst)
+        if now - getattr(self, "_rows_at", 0.0) >= ROWS_S:
+            self._rows, self._rows_at = ev_states(self.inst), now
+        rows = self._rows
         seen = set()
         for r in rows:
             k = (r["conn"], r["ev"])
@@ -561,7 +576,7 @@ class InstanceHealth:
                 st.ok += 1
                 st.fails = 0
                 if st.ok >= self.cfg.ok_needed:
-                    cur = [x for x in ev_states(self.inst) if (x["conn"], x["ev"]) == (r["conn"], r["ev"])]
+                    cur = [x for x in [self._ev_now(r["conn"], r["ev"])] if x]
                     if cur and cur[0]["state"] == "ASSUMED_BAD" and not link_marked(cur[0]):
                         maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
                                           EvState.GOOD, EvReason.PROBE_OK)
@@ -585,7 +600,7 @@ class InstanceHealth:
             n = self.bg_fail[k] = self.bg_fail.get(k, 0) + 1
             if n >= self.cfg.background_fail:
                 self.bg_fail.pop(k, None)
-                cur = [x for x in ev_states(self.inst) if (x["conn"], x["ev"]) == k]
+                cur = [x for x in [self._ev_now(*k)] if x]
                 if cur and cur[0]["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False:
                     maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
                                       EvState.ASSUMED_BAD, PROBE_FAIL)
