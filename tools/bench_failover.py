@@ -367,6 +367,15 @@ def run_failover(args, out):
             procs.append(subprocess.Popen([sys.executable, me, "--role", "source", "--ns", prefix + host,
                                            "--src", src, "--addr", dst, "--port", str(port), "--proto", proto,
                                            "--log", logs[proto], "--pace", str(int(args.pace * 1e6))]))
+        # which plane-0 T1 carries the TCP flow (h1 on T0 0 -> h3 on T0 1): counted on T0 0's
+        # uplinks before MRC (h0, also on T0 0) starts
+        time.sleep(0.5)
+        ups = {j: next(rx.ifindex for n, rx, _, _ in topo.link_ends() if n == "p0t0s0>p0t1s%d" % j)
+               for j in range(topo.t1_per_plane)}
+        b0 = {j: lm.counters(i)["bytes"] for j, i in ups.items()}
+        time.sleep(0.3)
+        b1 = {j: lm.counters(i)["bytes"] - b0[j] for j, i in ups.items()}
+        t1 = "p0t1s%d" % max(b1, key=b1.get)
         for h in ("h0", "h2"):
             eps[h] = transport.Endpoint(prefix + h)
         q = hosts.qpn
@@ -375,13 +384,6 @@ def run_failover(args, out):
         sampler = Sampler(mrc, mm)
         sampler.start()
         time.sleep(args.warmup)
-        # which plane-0 T1 carries the TCP flow (h1 on T0 0 -> h3 on T0 1)
-        ups = {j: next(rx.ifindex for n, rx, _, _ in topo.link_ends() if n == "p0t0s0>p0t1s%d" % j)
-               for j in range(topo.t1_per_plane)}
-        b0 = {j: lm.counters(i)["bytes"] for j, i in ups.items()}
-        time.sleep(0.3)
-        b1 = {j: lm.counters(i)["bytes"] - b0[j] for j, i in ups.items()}
-        t1 = "p0t1s%d" % max(b1, key=b1.get)
         t1_ends = [rx.ifindex for n, rx, _, lk in topo.link_ends() if t1 in (lk.a.node, lk.b.node)]
         bad0 = {r["ev"] for r in evs_of(prefix + "h0") if r["state"] == "ASSUMED_BAD"}
         fault_ns = time.monotonic_ns()
@@ -462,6 +464,12 @@ def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, ar
              "bytes_retransmitted": int(rtx)}
         if name == "mrc":
             r["evs_retired"] = len({e["ev"] for e in retired})
+            r["engine"] = {k: mstats[k] for k in ("tx_pkts", "rtx_pkts", "rtx_timeout", "rtx_sack",
+                                                  "timeouts") if k in mstats}
+            r["probe_ok_during_fault"] = sum(1 for e in hist if e.get("reason") == "PROBE_OK"
+                                             and fault_ns <= e["ts_ns"] < heal_ns)
+            r["probe_ok_after_heal"] = sum(1 for e in hist if e.get("reason") == "PROBE_OK"
+                                           and e["ts_ns"] >= heal_ns)
             r["back_after_heal_s"] = (back_ns - heal_ns) / 1e9 if back_ns and prober else None
             r["prober"] = prober
         res["flows"][name] = r
@@ -606,6 +614,9 @@ def main(argv=None):
                 fmt_s(f["detect_s"]), fmt_s(f["recover_from_fault_s"]), fmt_s(f["recover_from_report_s"]),
                 f["bytes_retransmitted"], back))
         m, t = r["flows"]["mrc"], r["flows"]["tcp"]
+        print("MRC engine: %s; EVs resurrected by probes during the fault %d, after the heal %d" % (
+            ", ".join("%s %d" % kv for kv in m["engine"].items()), m["probe_ok_during_fault"],
+            m["probe_ok_after_heal"]))
         if m["recover_from_fault_s"] is not None and t["recover_from_fault_s"] is not None:
             print("MRC recovered %.0fx faster than TCP" % (t["recover_from_fault_s"] / max(m["recover_from_fault_s"], 1e-6)))
         print("time series: %s\nplot: %s" % (r["csv"], r["png"]))
