@@ -115,8 +115,12 @@ def test_resurrected_after_heal(lab, daemon):
             H.set_ends(lab, t1, blackhole=True)
             failed.append(1)
     H.transfer(lab, "h0", "h2", 16 << 20, during=fail)
-    assert [r for r in H.ev_rows(lab, "h0", "h2") if r["state"] == "ASSUMED_BAD"]
+    bad = {r["ev"] for r in H.ev_rows(lab, "h0", "h2") if r["state"] == "ASSUMED_BAD"}
+    assert bad
     time.sleep(1.0)                 # probes fail meanwhile: backoff reaches its cap
+    # ... and bring nothing back while the T1 is dead
+    assert bad <= {r["ev"] for r in H.ev_rows(lab, "h0", "h2") if r["state"] == "ASSUMED_BAD"}
+    assert not [e for e in daemon.events(lab["prefix"] + "h0") if e.get("reason") == "PROBE_OK"]
     H.set_ends(lab, t1, blackhole=False)
     t0 = time.monotonic()
     bound = (BACKOFF_MS + INTERVAL_MS * OK_NEEDED) / 1000 * (1 + JITTER / 100) + 0.3
