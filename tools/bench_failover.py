@@ -479,11 +479,11 @@ def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, ar
         for (t, a), (_, b), (_, c) in zip(series["mrc"], series["tcp"], series["mptcp"]):
             f.write("%.4f,%.0f,%.0f,%.0f\n" % (t, a, b, c))
     res["csv"] = csvp
-    res["png"] = plot(series, fs, hs, t1, out)
+    res["png"] = plot(series, fs, hs, t1, out, getattr(args, "note", None))
     return res
 
 
-def plot(series, fs, hs, t1, out):
+def plot(series, fs, hs, t1, out, note=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -505,7 +505,9 @@ def plot(series, fs, hs, t1, out):
         a.grid(alpha=0.3)
         a.legend(loc="upper right", fontsize=8)
     ax.set_title("One MRC QP vs one TCP flow vs one MPTCP connection, T1 blackhole (ecmp lab, 100 us samples)")
-    fig.tight_layout()
+    if note:            # what machine, how to rerun (tools/evaluate.py)
+        fig.text(0.01, 0.005, note, fontsize=7, color="0.3")
+    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
     p = os.path.join(out, "failover.png")
     fig.savefig(p, dpi=110)
     return p

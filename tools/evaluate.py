@@ -125,9 +125,9 @@ def part_a(args, out, res):
 def part_b(args, out, res):
     import bench_failover as bf
     a = argparse.Namespace(warmup=1.0 if args.quick else 1.5, fault=1.0 if args.quick else 2.0,
-                           after=1.0 if args.quick else 1.5, pace=300)
+                           after=1.0 if args.quick else 1.5, pace=300, note=FOOT % "b")
     r = bf.run_failover(a, out)
-    r["params"] = vars(a)
+    r["params"] = {k: v for k, v in vars(a).items() if k != "note"}
     res["b"] = r
 
 
@@ -639,6 +639,12 @@ def headline(res) -> list[str]:
                         s += ", 4 TCP flows %.0f%%" % (100 * t4["fraction"])
                     if "bps" in mp:
                         s += ", MPTCP %.0f%%" % (100 * mp["fraction"])
+                tb = res["a"].get(mode, {}).get("linkmodel+tbf", {})
+                got = [(lab_, tb[k]["fraction"]) for k, lab_ in (("tcp_1flow", "1 TCP flow"), ("tcp_4flows", "4 TCP flows"),
+                                                                  ("mptcp_2subflows", "MPTCP")) if "bps" in tb.get(k, {})]
+                if got:
+                    s += " (with real tbf queues, which TCP needs: %s)" % ", ".join(
+                        "%s %.0f%%" % (lab_, 100 * f) for lab_, f in got)
                 h.append(s)
     if "b" in res:
         f = res["b"]["flows"]
