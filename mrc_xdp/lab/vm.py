@@ -164,9 +164,13 @@ def build_image(progress=_noop, force: bool = False) -> dict:
     return dict(info, cached=False)
 
 
-def _vagrant_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, VAGRANT_CHECKPOINT_DISABLE="1", VAGRANT_DEFAULT_PROVIDER="libvirt",
-               VAGRANT_CWD=VAGRANT_DIR)
+def _vagrant_env(extra: dict | None = None, lab: bool = True) -> dict:
+    """lab=False: for `vagrant box ...`, which must not load the lab's Vagrantfile."""
+    env = dict(os.environ, VAGRANT_CHECKPOINT_DISABLE="1", VAGRANT_DEFAULT_PROVIDER="libvirt")
+    if lab:
+        env["VAGRANT_CWD"] = VAGRANT_DIR
+    else:
+        env.pop("VAGRANT_CWD", None)
     env.update(extra or {})
     return env
 
@@ -175,7 +179,8 @@ def box_added() -> bool:
     if not shutil.which("vagrant"):
         return False
     r = subprocess.run(["vagrant", "box", "list", "--machine-readable"], capture_output=True,
-                       text=True, env=_vagrant_env(), timeout=120)
+                       text=True, env=_vagrant_env(lab=False), cwd=CACHE if os.path.isdir(CACHE) else "/",
+                       timeout=120)
     return any(line.split(",")[3:4] == [BOX_NAME] for line in r.stdout.splitlines()
                if ",box-name," in line)
 
@@ -207,7 +212,7 @@ def build_box(progress=_noop, force: bool = False) -> dict:
         tar.add(img["base"], arcname="box.img")
     os.replace(tmp, box)
     r = subprocess.run(["vagrant", "box", "add", "--force", "--name", BOX_NAME, box],
-                       capture_output=True, text=True, env=_vagrant_env(), timeout=600)
+                       capture_output=True, text=True, env=_vagrant_env(lab=False), cwd=CACHE, timeout=600)
     if r.returncode:
         raise VmError("vagrant box add: %s" % _last(r))
     with open(stamp, "w") as f:
