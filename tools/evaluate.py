@@ -200,6 +200,25 @@ class Lab:
 
 # ================================================================== (c) loss on one path
 
+def part_c_one_ev(args):
+    """bench_failover scenario 2: 20% loss on the path of 1 EV of 16 (srv6 lab, EVs placed)."""
+    import statistics
+    import bench_failover as bf
+    a = argparse.Namespace(rounds=1 if args.quick else 3, loss_seconds=1.0 if args.quick else 1.5)
+    log("(c) 20%% loss on the path of 1 EV of 16 (srv6 lab, EVs placed): %d interleaved rounds of %.1f s"
+        % (a.rounds, a.loss_seconds))
+    r = bf.run_loss_one_ev(a)
+    nf, lf = r["no fault"], r["20% loss on one EV's path"]
+    ratios = [x["goodput_bps"] / y["goodput_bps"] for x, y in zip(lf, nf)]
+    out = {"rounds": a.rounds, "seconds": a.loss_seconds, "no_fault": nf, "lossy": lf,
+           "median_ratio": statistics.median(ratios),
+           "no_fault_bps": statistics.median(x["goodput_bps"] for x in nf),
+           "lossy_bps": statistics.median(x["goodput_bps"] for x in lf)}
+    log("(c)   median ratio %.0f%% (no fault %.0f Mbit/s, with the loss %.0f Mbit/s)" % (
+        100 * out["median_ratio"], out["no_fault_bps"] / 1e6, out["lossy_bps"] / 1e6))
+    return out
+
+
 def part_c(args, out, res, lab):
     import bench_failover as bf
     import bench_transport as bt
@@ -221,6 +240,10 @@ def part_c(args, out, res, lab):
                for j in range(lab.topo.t1_per_plane)}
         b0 = {j: lab.lm.counters(i)["bytes"] for j, i in ups.items()}
         tcp_iperf(h2, h0, dst, 1, cport)
+        m = bf.MrcFlow(eps["h0"], eps["h2"], hosts.qpn(0, 2), hosts.qpn(2, 0))     # MRC warm-up
+        m.t.start()
+        time.sleep(1.0)
+        m.close()
         b1 = {j: lab.lm.counters(i)["bytes"] - b0[j] for j, i in ups.items()}
         tcp_t1 = max(b1, key=b1.get)
         tcp_lossy = lab.link("%s>%s" % (lab.topo.t0_name(0, t0), lab.topo.t1_name(0, tcp_t1)))
@@ -263,10 +286,23 @@ def part_c(args, out, res, lab):
     finally:
         for e in eps.values():
             e.close()
-    res["c"] = {"rows": rows, "seconds": secs, "rounds": reps, "mrc_lossy_link": lossy_name,
+    res["c"] = {"rows": rows, "seconds": secs, "rounds": reps, "one_ev_of_16": res.pop("c_one_ev", None), "mrc_lossy_link": lossy_name,
                 "tcp_lossy_link": "%s>%s" % (lab.topo.t0_name(0, t0), lab.topo.t1_name(0, tcp_t1))}
     plt = plt_()
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    one = res["c"]["one_ev_of_16"]
+    if one:
+        fig, (ax, az) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+        v = [one["no_fault_bps"] / 1e6, one["lossy_bps"] / 1e6]
+        bars = az.bar([0, 1], v, color=["C0", "C3"])
+        for b_, x in zip(bars, v):
+            az.text(b_.get_x() + b_.get_width() / 2, x, "%.0f" % x, ha="center", va="bottom", fontsize=8)
+        az.set_xticks([0, 1])
+        az.set_xticklabels(["no fault", "20% loss on\nthe path of 1 EV"], fontsize=8)
+        az.set_ylabel("MRC goodput, Mbit/s (median of %d rounds)" % one["rounds"])
+        az.set_title("1 EV of 16 lossy (srv6, EVs placed): %.0f%%" % (100 * one["median_ratio"]), fontsize=9)
+        az.grid(axis="y", alpha=0.3)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.8))
     xs = list(range(len(rows)))
     base_m, base_t = rows[0]["mrc_bps"] or 1, rows[0]["tcp_bps"] or 1
     ax.plot(xs, [100 * r["mrc_bps"] / base_m for r in rows], "o-", label="MRC, 1 QP (loss on 1 of its 4 paths)")
@@ -281,7 +317,7 @@ def part_c(args, out, res, lab):
     ax.set_xlabel("random loss injected on one T0 -> T1 link (link model)")
     ax.set_ylabel("goodput, % of the same flow without loss")
     ax.set_ylim(bottom=0)
-    ax.set_title("(c) goodput vs loss on one path, h0 -> h2 (ecmp lab); labels: Mbit/s")
+    ax.set_title("(c) goodput vs loss on one path, h0 -> h2 (ecmp lab); labels: Mbit/s", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     footer(fig, FOOT % "c")
@@ -291,9 +327,9 @@ def part_c(args, out, res, lab):
 
 
 def tcp_iperf(server_ns, client_ns, dst, seconds, cport):
-    """One iperf3 TCP flow with a fixed client port (so a fixed ECMP path): bits/s."""
+    """One iperf3 TCP flow with fixed ports (so a fixed ECMP path): bits/s."""
     import bench_transport as bt
-    return bt.iperf3(server_ns, client_ns, dst, max(1, int(round(seconds))), cport=cport)[0]
+    return bt.iperf3(server_ns, client_ns, dst, max(1, int(round(seconds))), port=cport + 1, cport=cport)[0]
 
 
 # ================================================================== (d) ring all-reduce
@@ -658,6 +694,9 @@ def headline(res) -> list[str]:
             ", ".join("%.0f%%" % (100 * r["mrc_bps"] / max(r0["mrc_bps"], 1)) for r in rows[1:]),
             ", ".join("%.0f%%" % (100 * r["tcp_bps"] / max(r0["tcp_bps"], 1)) for r in rows[1:]),
             " / ".join("%g%%" % (100 * r["loss"]) for r in rows[1:])))
+        one = res["c"].get("one_ev_of_16")
+        if one:
+            h.append("(c) 20%% loss on the path of 1 EV of 16: MRC keeps %.0f%% of its goodput" % (100 * one["median_ratio"]))
     if "d" in res:
         R = res["d"]["runs"]
         h.append("(d) ring all-reduce of %d MiB x 4 hosts: MRC %.0f ms vs TCP %.0f ms healthy, %.0f ms vs %.0f ms "
@@ -774,6 +813,14 @@ def report(res, mach, args, out, parts, elapsed):
           "fixed ports, so a fixed ECMP path, and the loss put on that path (%s): the case multipath exists for. "
           "No rate limits: goodput is what the CPUs allow." % (r["seconds"], r["rounds"], r["mrc_lossy_link"], r["tcp_lossy_link"]))
         w("")
+        one = r.get("one_ev_of_16")
+        if one:
+            w("Right panel: tools/bench_failover.py scenario 2 in its own srv6 lab: one QP whose 16 active EVs are "
+              "placed explicitly (7 on plane 0 T1 0, 1 on plane 0 T1 1, 8 over plane 1), 20%% loss on the link into "
+              "plane 0 T1 1, so on the path of 1 EV of 16; %d interleaved rounds of %.1f s with and without the "
+              "loss, a fresh connection each: median goodput %s without, %s with the loss, median ratio %.0f%%."
+              % (one["rounds"], one["seconds"], mb(one["no_fault_bps"]), mb(one["lossy_bps"]), 100 * one["median_ratio"]))
+            w("")
         w("| loss | MRC goodput | MRC retransmitted pkts | EVs retired at the end | TCP goodput |")
         w("|---|---|---|---|---|")
         for x in r["rows"]:
@@ -890,6 +937,11 @@ def main(argv=None) -> int:
             log("(%s) starting (load average %s)" % (p, res["load"][p]))
             t = time.monotonic()
             try:
+                if p == "c":
+                    try:
+                        res["c_one_ev"] = part_c_one_ev(args)
+                    except (RuntimeError, OSError, ValueError) as e:
+                        log("(c) 1 EV of 16: FAILED: %s" % str(e).strip().splitlines()[-1:])
                 if p in "cd":
                     if lab is None:
                         lab = Lab()
