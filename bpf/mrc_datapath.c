@@ -383,9 +383,12 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 		}
 		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
 		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq);
-	} else if (!c->txseq || !psn_sent(cid, hi, get24(h + 13))) {
-		ctr_inc(MRC_C_ING_FB_OOW);
-		return;
+	} else {
+		ape = c->txseq ? psn_sent(cid, hi, get24(h + 13)) : 0;
+		if (!ape) {
+			ctr_inc(MRC_C_ING_FB_OOW);
+			return;
+		}
 	}
 	key.conn = cid;
 	key.ev = get32(h + 4);
@@ -419,6 +422,10 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 		if (ec)
 			ec->nack++;
+		/* A trimmed send is accounted for: the SACK-bitmap hole it leaves until its
+		 * retransmission lands is no untrimmed loss (sack_losses skips it). */
+		if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP)
+			ape->flags |= MRC_PSNF_LOST;
 		if (why == MRC_NACK_TRIMMED_LASTHOP)
 			ctr_inc(MRC_C_ING_NACK_LASTHOP);
 		if (why == MRC_NACK_TRIMMED) {
