@@ -273,9 +273,10 @@ def cmd_up(args) -> int:
     target = _target(args)
     if target != "netns":
         from . import vm
+        kw = {"linkmodel": not args.no_linkmodel}
         up = vm.qemu_up if target == "qemu" else vm.vagrant_up
         try:
-            up(topo, prefix=args.prefix, progress=_progress, hosts=not args.no_hosts)
+            up(topo, prefix=args.prefix, progress=_progress, hosts=not args.no_hosts, **kw)
         except fabric.LabAlreadyUp:
             print("VM lab %r is already up: `mrc-xdp lab vm status --prefix %s` shows it"
                   % (args.prefix, args.prefix))
@@ -540,6 +541,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="netns: namespaces of this machine (default); qemu: one VM per node, "
                         "plain QEMU; vagrant: one VM per node, vagrant-libvirt")
     p.add_argument("--vm", action="store_true", help="same as --target qemu")
+    p.add_argument("--no-linkmodel", action="store_true",
+                   help="VMs: no link model (each bcc build is 1-4 min of a TCG guest's CPU)")
     _set_handler(p, cmd_up)
 
     p = common(sub.add_parser("render", help="the topology as the JSON vagrant/Vagrantfile reads"))

@@ -648,7 +648,7 @@ def libvirt_stop(st: dict) -> None:
 
 
 def vagrant_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_noop, hosts: bool = True,
-               timeout: float = 1800, datapaths: bool = True) -> dict:
+               timeout: float = 1800, datapaths: bool = True, linkmodel=True) -> dict:
     """`vagrant up` of the rendered topology (vagrant-libvirt, UDP-tunnel links), then the
     same node set-up as the QEMU runner."""
     _which("vagrant", "ssh")
@@ -688,7 +688,7 @@ def vagrant_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_no
         execs = execs_of(st)
         _wait_ssh(execs, 300, progress, t_start)
         st["hosts"] = setup_nodes(topo, prefix, execs, st["plan"], progress, hosts=hosts,
-                                  datapaths=datapaths)
+                                  datapaths=datapaths, linkmodel=linkmodel)
         st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
         st["complete"] = True
         st["up_s"] = round(time.monotonic() - t_start, 1)
