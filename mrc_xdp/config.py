@@ -214,7 +214,7 @@ class HostConfig:
             raise ConfigError("planes: at least one [[planes]] entry is required")
         cfg = cls(local_addr=_ipv6(d["local_addr"], "local_addr", unicast=True), planes=[])
         cfg.instance = _str(d.get("instance", "default"), "instance")
-        if not names.is_valid(cfg.instance):   # the one rule of mrc_xdp/names.py
+        if not names.is_instance(cfg.instance):   # the one rule of mrc_xdp/names.py
             raise ConfigError("instance: %s must be %s" % (V.show(cfg.instance), names.RULE))
         cfg.mode = V.choice(d.get("mode", "ecmp"), "mode", ("ecmp", "srv6"), ConfigError)
         cfg.app_dev = _dev(d.get("app_dev", "mrc0"), "app_dev")

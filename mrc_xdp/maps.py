@@ -13,7 +13,7 @@ import random
 import time
 
 from . import bpfsys
-from .names import BadName, check_instance, confined, is_valid
+from .names import BadName, check_instance, confined, is_instance
 from .config import HostConfig
 from .shared import (Ctr, EvReason, EvState, EV_CTR_FIELDS, MAP_NAMES, as_dict, const, ffi,
                      sizeof, to_bytes)
@@ -60,7 +60,7 @@ def instances() -> list[str]:
     """Every loaded instance: a directory of the pin root, named by the rule, with mrc_cfg."""
     try:
         return sorted(d for d in os.listdir(PIN_ROOT)
-                      if is_valid(d) and not os.path.islink(os.path.join(PIN_ROOT, d))
+                      if is_instance(d) and not os.path.islink(os.path.join(PIN_ROOT, d))
                       and os.path.exists(os.path.join(PIN_ROOT, d, MAP_NAMES["MRC_MAP_CFG"])))
     except FileNotFoundError:
         return []

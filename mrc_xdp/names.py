@@ -16,7 +16,9 @@ import os
 import re
 
 NAME_MAX = 32
-RULE = "1-%d letters, digits, '-' or '_', starting with a letter or digit" % NAME_MAX
+RESERVED_PREFIX = "lab-"   # /sys/fs/bpf/mrc/lab-<prefix>/ holds a lab's link-model pins
+RULE = ("1-%d letters, digits, '-' or '_', starting with a letter or digit, not starting "
+        "with '%s'" % (NAME_MAX, RESERVED_PREFIX))
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,%d}" % (NAME_MAX - 1))
 
 
@@ -30,12 +32,19 @@ def _show(v) -> str:
 
 
 def is_valid(name) -> bool:
+    """name is a safe single component of the pin root (an instance's or a lab's directory)."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def is_instance(name) -> bool:
+    """name follows the instance rule: is_valid, and not in the lab's reserved namespace
+    (an instance 'lab-x' would share the directory of lab x's link models)."""
+    return is_valid(name) and not name.startswith(RESERVED_PREFIX)
 
 
 def check_instance(name, what: str = "instance") -> str:
     """name if it follows the rule, else BadName (one line: what is wrong, what to use)."""
-    if not is_valid(name):
+    if not is_instance(name):
         raise BadName("%s name %s is not allowed: use %s" % (what, _show(name), RULE))
     return name
 

@@ -163,3 +163,23 @@ def test_bad_instance_names_never_escape_the_pin_root():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     print("\n".join(res["notes"]))
     assert res["problems"] == [], "\n".join(res["problems"])
+
+
+def test_lab_prefix_is_reserved_for_link_model_pins():
+    """/sys/fs/bpf/mrc/lab-<prefix>/ holds a lab's link models: an instance named lab-x
+    (whose unload would remove lab x's pins) and a lab prefix lab-... are refused."""
+    from mrc_xdp import config, maps, names
+    from mrc_xdp.lab import fabric
+    for bad in ("lab-", "lab-x", "lab-mrc-"):
+        with pytest.raises(names.BadName, match="not starting with 'lab-'"):
+            names.check_instance(bad)
+        with pytest.raises(names.BadName):
+            maps.pin_dir(bad)
+    with pytest.raises(config.ConfigError, match="lab-"):
+        config.HostConfig.from_dict({"instance": "lab-x", "local_addr": "fd00::1",
+                                     "planes": [{"dev": "p0", "gateway_mac": "02:00:00:00:00:01"}]})
+    with pytest.raises(fabric.LabError, match="lab-"):
+        fabric.check_prefix("lab-x")
+    assert names.check_instance("labx") == "labx" and fabric.check_prefix("mrc-") == "mrc-"
+    r = subprocess.run([os.path.join(ROOT, ".venv", "bin", "mrc-xdp"), "unload", "--instance", "lab-x"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 
-from .. import netns
+from .. import names, netns
 from ..maps import PIN_ROOT, STATE_DIR
 from . import linkmodel as lmod
 from .executor import NetnsNode
@@ -65,9 +65,10 @@ _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")   # <prefix><host>
 
 
 def check_prefix(prefix: str) -> str:
-    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+    if (not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix)
+            or prefix.startswith(names.RESERVED_PREFIX)):
         raise LabError("prefix %r: use 1-%d characters of [A-Za-z0-9_-], starting with a letter "
-                       "or digit" % (prefix, PREFIX_MAX))
+                       "or digit, not with %r" % (prefix, PREFIX_MAX, names.RESERVED_PREFIX))
     return prefix
 
 
