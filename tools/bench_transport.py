@@ -81,7 +81,7 @@ def mbps(bps) -> str:
 
 _PORTS = 0
 
-def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=None, cport=None):
+def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=None, cport=None, extra=()):
     """Goodput (bits/s at the receiver) of iperf3 TCP (udp_len None) or UDP -b 0;
     cport: a fixed client port (a fixed ECMP path)."""
     global _PORTS
@@ -102,6 +102,7 @@ def iperf3(server_ns, client_ns, addr, seconds, udp_len=None, parallel=1, port=N
             argv += ["-u", "-b", "0", "-l", str(udp_len)]
         if cport:
             argv += ["--cport", str(cport)]
+        argv += list(extra)
         r = ns_cmd(client_ns, argv, capture_output=True, text=True, timeout=seconds + 30)
         j = json.loads(r.stdout)
         if "error" in j or "sum_received" not in j.get("end", {}) and not udp_len:
@@ -417,7 +418,7 @@ def part_b(args, out):
                     runs.append(("mrc_1qp", lambda: mrc_perf(
                         "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst, 18515,
                         ["--duration", str(args.seconds), "--size", str(args.msg_size)])))
-                if mode == "ecmp":
+                if mode == "ecmp" and not getattr(args, "mrc_only", False):
                     runs += [
                         ("tcp_1flow", lambda: iperf3(h2, h0, dst, args.seconds)[0]),
                         ("mptcp_2subflows", lambda: (mptcp_setup(prefix, addrs, False),
@@ -469,6 +470,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of the pair's veths in (a)")
     ap.add_argument("--msg-size", type=int, default=1 << 20, help="MRC write size for write-bw")
     ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
+    ap.add_argument("--mrc-only", action="store_true", help="(b) only MRC (no kernel baselines)")
     ap.add_argument("--shape", choices=["no", "yes", "only"], default="yes",
                     help="(b) also (yes) or only run every transport with tbf at each link's rate (a real queue)")
     ap.add_argument("--json", action="store_true")
