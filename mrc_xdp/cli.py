@@ -219,6 +219,7 @@ def cmd_status(args):
             st = dict(inst.state)
             st["active_evs_by_state"] = by_state
             st["counters"] = {k: v for k, v in inst.counters().items() if v}
+            st["qps"] = _engine_qps(n)
             out.append(st)
 
     def text(sts):
@@ -240,6 +241,10 @@ def cmd_status(args):
             print("  sprayed %d pkts, ingress %d pkts, to engine %d, dropped malformed %d" % (
                 c.get("spray_tx", 0), c.get("ing_rx", 0), c.get("ing_to_engine", 0),
                 sum(v for k, v in c.items() if k.startswith("bad_"))))
+            for q in s.get("qps", []):
+                print("  qp %#x  pid %d %s: %s, sent %d pkts (%d resent), received %d, srtt %.0f us, cwnd %d B" % (
+                    q["qpn"], q["pid"], q.get("cmd", ""), q.get("state_name", "?"), q["tx_pkts"], q["rtx_pkts"],
+                    q["rx_pkts"], q["srtt_ns"] / 1000.0, q["cwnd"]))
     _out(args, out, text)
 
 
@@ -312,7 +317,17 @@ def _stats_obj(inst, prev, cur):
     return {"instance": inst.name, "interval_s": round(dt, 3), "counters": ctr,
             "rates": {k: round(v, 1) for k, v in rates.items() if v},
             "planes": {str(p): {"tx_pkts": n, "share": round(100.0 * n / tot, 2)} for p, n in sorted(planes.items())},
-            "evs": evs, "rx_evs": inst.rx_evs()}
+            "evs": evs, "rx_evs": inst.rx_evs(), "qps": _engine_qps(inst.name)}
+
+
+QP_COLS = ["pid", "cmd", "qpn", "state_name", "tx_pkts", "tx_bytes", "rtx_pkts", "rtx_sack", "rtx_timeout",
+           "rtx_nack_trim", "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "srtt_ns", "cwnd"]
+
+
+def _engine_qps(instance):
+    """Per-QP engine counters of every open transport.Endpoint on the instance."""
+    from .transport import published_qps
+    return published_qps(instance)
 
 
 def _stats_text(s, all_counters=False):
@@ -335,6 +350,9 @@ def _stats_text(s, all_counters=False):
     if s["rx_evs"]:
         print("\nreceived (per sender EV):")
         print(table(s["rx_evs"], ["conn", "ev", "pkts", "bytes", "ce"], fmt={"ev": _hex}))
+    if s.get("qps"):
+        print("\nengine QPs (transport endpoints):")
+        print(table(s["qps"], QP_COLS, fmt={"qpn": _hex}))
 
 
 def cmd_stats(args):

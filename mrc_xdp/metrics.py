@@ -7,6 +7,8 @@ scrape and exits.  Names:
     mrc_ev_packets_total{instance,conn,ev,plane,t1,role} per-EV packets sent
     mrc_ev_feedback_total{...,kind}                      sack / nack / ecn / trim / loss / skipped
     mrc_ev_state{...,state}                              1 for the EV's current state
+    mrc_qp_<counter>_total, mrc_qp_<gauge>{instance,qpn,pid}  transport engine per-QP
+                                                         counters of every open Endpoint
     mrc_rx_ev_packets_total{instance,conn,ev}            data received, per sender EV
     mrc_rx_ev_ce_total{instance,conn,ev}                 of which CE-marked
 
@@ -25,6 +27,31 @@ FEEDBACK = ("sack", "nack", "ecn", "trim", "loss", "skipped")
 
 def _labels(**kv) -> str:
     return "{" + ",".join('%s="%s"' % (k, str(v).replace('"', '\\"')) for k, v in kv.items()) + "}"
+
+
+QP_COUNTERS = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
+               "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "nacks_rx_other", "wr_posted", "wr_done",
+               "wr_error", "rx_pkts", "rx_bytes", "rx_dup", "rx_msgs", "rx_ce", "sacks_tx", "nacks_tx_trim",
+               "nacks_tx_access")
+QP_GAUGES = ("state", "srtt_ns", "min_rtt_ns", "rto_ns", "cwnd", "inflight")
+
+
+def _qp_lines(instances) -> list[str]:
+    """mrc_qp_<counter>_total / mrc_qp_<gauge> of every QP of every open transport
+    Endpoint (published by each endpoint under /run/mrc-xdp/qps/), labels instance, qpn, pid."""
+    from .transport import published_qps
+    rows = [q for name in instances for q in published_qps(name)]
+    out = []
+    for k in QP_COUNTERS:
+        out += ["# HELP mrc_qp_%s_total Transport engine per-QP counter %s." % (k, k),
+                "# TYPE mrc_qp_%s_total counter" % k]
+        out += ["mrc_qp_%s_total%s %d" % (k, _labels(instance=q["instance"], qpn="%#x" % q["qpn"], pid=q["pid"]),
+                                         q.get(k, 0)) for q in rows]
+    for k in QP_GAUGES:
+        out += ["# HELP mrc_qp_%s Transport engine per-QP %s." % (k, k), "# TYPE mrc_qp_%s gauge" % k]
+        out += ["mrc_qp_%s%s %d" % (k, _labels(instance=q["instance"], qpn="%#x" % q["qpn"], pid=q["pid"]),
+                                   q.get(k, 0)) for q in rows]
+    return out
 
 
 def render(instances: list[str] | None = None) -> str:
@@ -54,6 +81,7 @@ def render(instances: list[str] | None = None) -> str:
             "# TYPE mrc_ev_feedback_total counter"] + fb_lines
     out += ["# HELP mrc_ev_state Current state of each EV (1 for the state it is in).",
             "# TYPE mrc_ev_state gauge"] + st_lines
+    out += _qp_lines(instances if instances is not None else maps.instances())
     out += ["# HELP mrc_rx_ev_packets_total Data packets received, per sender EV.",
             "# TYPE mrc_rx_ev_packets_total counter"] + rx_lines
     out += ["# HELP mrc_rx_ev_ce_total Data packets received CE-marked, per sender EV.",

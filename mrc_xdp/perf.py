@@ -43,71 +43,10 @@ def _transport():
 QP_STATS_DIR = "/run/mrc-xdp/qps"
 
 
-class StatsPublisher:
-    """Once a second, write the session's per-QP engine counters to
-    /run/mrc-xdp/qps/<instance>.<pid>.json (atomically), so another process
-    (`mrc-xdp qps`) can read them; the file goes when the session ends."""
-
-    def __init__(self, session, instance: str, cmd: str, interval: float = 1.0):
-        self.s, self.instance, self.cmd, self.interval = session, instance, cmd, interval
-        self.path = os.path.join(QP_STATS_DIR, "%s.%d.json" % (instance, os.getpid()))
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        os.makedirs(QP_STATS_DIR, exist_ok=True)
-        self._t.start()
-
-    def write(self):
-        doc = {"instance": self.instance, "pid": os.getpid(), "cmd": self.cmd, "time": time.time(),
-               "qps": self.s.stats()}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)
-
-    def _run(self):
-        while not self._stop.wait(self.interval):
-            try:
-                self.write()
-            except Exception:       # the endpoint is closing: the next stop() removes the file
-                pass
-
-    def stop(self):
-        self._stop.set()
-        self._t.join(5)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
 def published_qps(instance: str | None = None) -> list[dict]:
-    """Per-QP counters published by running perf sessions (of one instance, or all);
-    files of processes that are gone are removed."""
-    out = []
-    try:
-        names = sorted(os.listdir(QP_STATS_DIR))
-    except FileNotFoundError:
-        return out
-    for n in names:
-        if not n.endswith(".json"):
-            continue
-        path = os.path.join(QP_STATS_DIR, n)
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if not os.path.exists("/proc/%d" % int(doc.get("pid", 0))):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            continue
-        if instance is None or doc.get("instance") == instance:
-            for q in doc.get("qps", []):
-                out.append(dict(q, instance=doc["instance"], pid=doc["pid"], cmd=doc["cmd"],
-                                age_s=round(time.time() - doc["time"], 1)))
-    return out
+    """Per-QP counters published by every live transport.Endpoint (of one instance, or
+    all): transport.published_qps."""
+    return _transport().published_qps(instance)
 
 
 # ------------------------------------------------------------------ shared set-up
@@ -121,7 +60,8 @@ class Session:
         self.qps = []
         self.mr = None
         self.ch = None
-        self.pub = StatsPublisher(self, instance, cmd)
+        if self.ep._pub:             # the endpoint publishes its QPs' counters; name the command
+            self.ep._pub.cmd = cmd or self.ep._pub.cmd
 
     def make_qps(self, n: int):
         self.qps = [self.ep.create_qp() for _ in range(n)]
@@ -146,7 +86,6 @@ class Session:
         return out
 
     def close(self):
-        self.pub.stop()
         if self.ch:
             self.ch.close()
         for q in self.qps:

@@ -28,10 +28,12 @@ import enum
 import errno
 import fcntl
 import ipaddress
+import json
 import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -378,12 +380,16 @@ class Endpoint:
     ring, zero_copy, timestamps (TSETH on data, reflected in SACKs), dscp_*, and the
     NSCC window cc_init_cwnd, cc_min_cwnd,
     cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md.
+    publish: every this many seconds, write the QPs' counters for other processes
+    (/run/mrc-xdp/qps/<instance>/, read by `mrc-xdp stats/status/qps` and metrics;
+    removed at close); None: never.
     """
 
     def __init__(self, instance: str, netns: str | None = None, *, mtu: int | None = None,
-                 **cc_params):
+                 publish: float | None = 1.0, **cc_params):
         ffi, lib = _engine()
         self._e = None
+        self._pub = None
         unknown = set(cc_params) - set(_OPT_NAMES)
         if unknown:
             raise TransportError("Endpoint: unknown option(s) %s (known: %s)" % (
@@ -443,6 +449,8 @@ class Endpoint:
         self._qps: dict[int, QP] = {}
         self._mrs: list[MR] = []
         self.cq = CQ(self)
+        if publish:
+            self._pub = _Publisher(self, publish)
 
     def reg_mr(self, buf, access: int = ACCESS_LOCAL | ACCESS_REMOTE_WRITE) -> MR:
         """Register bytes/bytearray/numpy/mmap memory; the engine reads and writes it in
@@ -482,8 +490,27 @@ class Endpoint:
         if self._e is None:
             raise TransportError("endpoint on %s is closed" % self.instance)
 
+    def publish(self) -> None:
+        """Write this endpoint's per-QP counters now (see published_qps); the endpoint
+        also does so every `publish` seconds (Endpoint(..., publish=None): never)."""
+        if self._pub:
+            self._pub.write()
+
+    def qp_stats(self) -> list[dict]:
+        """stats() of every QP of this endpoint."""
+        out = []
+        for qp in list(self._qps.values()):
+            try:
+                out.append(qp.stats())
+            except TransportError:      # destroyed meanwhile
+                pass
+        return out
+
     def close(self) -> None:
         """Stop the progress thread and free the socket, UMEM and QPs."""
+        if self._pub:
+            self._pub.stop()
+            self._pub = None
         if self._e is None:
             return
         qps = list(self._qps.values())
@@ -508,6 +535,104 @@ class Endpoint:
             self.close()
         except Exception:
             pass
+
+
+# ------------------------------------------------------------------ per-QP counters for other processes
+
+QP_STATS_DIR = "/run/mrc-xdp/qps"
+_pub_seq = iter(range(1 << 62))
+
+
+class _Publisher:
+    """Every `interval` seconds (a daemon thread that sleeps in between), write the
+    endpoint's per-QP engine counters to /run/mrc-xdp/qps/<instance>/<pid>.<n>.json
+    (atomically), so `mrc-xdp stats/status/qps` and the metrics endpoint of another
+    process see every Endpoint user; the file goes at close, and readers ignore (and
+    remove) files whose process is gone."""
+
+    def __init__(self, ep: Endpoint, interval: float):
+        self.ep, self.interval = ep, interval
+        self.dir = os.path.join(QP_STATS_DIR, ep.instance)
+        self.path = os.path.join(self.dir, "%d.%d.json" % (os.getpid(), next(_pub_seq)))
+        self.cmd = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+        self._mu = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self.write()
+        except OSError:
+            pass
+        self._t = threading.Thread(target=self._run, daemon=True, name="mrc-qp-publish")
+        self._t.start()
+
+    def write(self) -> None:
+        with self._mu:
+            if self._stop.is_set() or self.ep._e is None:
+                return
+            doc = {"instance": self.ep.instance, "pid": os.getpid(), "cmd": self.cmd,
+                   "time": time.time(), "qps": self.ep.qp_stats()}
+            os.makedirs(self.dir, exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.write()
+            except (OSError, RuntimeError, TransportError):
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._mu:          # no write in progress once this returns
+            for p in (self.path, self.path + ".tmp"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        if self._t is not threading.current_thread():
+            self._t.join(2)
+
+
+def published_qps(instance: str | None = None) -> list[dict]:
+    """Per-QP counters published by the live Endpoints of every process (of one
+    instance, or all): [{qpn, state_name, tx_pkts, ..., instance, pid, cmd, age_s}].
+    Files of processes that are gone are removed."""
+    out = []
+    try:
+        insts = [instance] if instance is not None else sorted(os.listdir(QP_STATS_DIR))
+    except FileNotFoundError:
+        return out
+    for inst in insts:
+        d = os.path.join(QP_STATS_DIR, inst)
+        try:
+            names = sorted(os.listdir(d))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for n in names:
+            if not n.endswith(".json"):
+                continue
+            path = os.path.join(d, n)
+            try:
+                pid = int(n.split(".")[0])
+            except ValueError:
+                continue
+            if not os.path.exists("/proc/%d" % pid):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                continue
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue
+            for q in doc.get("qps", []):
+                out.append(dict(q, instance=doc.get("instance", inst), pid=pid, cmd=doc.get("cmd", ""),
+                                age_s=round(time.time() - doc.get("time", 0), 1)))
+    return out
 
 
 def icrc(ip6: bytes, fast: bool | None = None) -> int:

@@ -316,3 +316,43 @@ def test_srv6_pair(tmp_path):
 def json_stats(inst):
     import json
     return json.loads(ep_.cli("stats", "--json", "--instance", inst).stdout)["counters"]
+
+
+def test_qp_counters_in_stats_status_metrics(eps, pair, qp0):
+    """Every Endpoint publishes its QPs' engine counters: another process's `mrc-xdp
+    stats --json`, `status --json` and the metrics scrape show them (instance, qpn);
+    the endpoint's file is gone once it is closed."""
+    import json
+    import subprocess
+    import sys
+    qa, _ = qp0
+    A, ma, mb = eps["A"], eps["ma"], eps["mb"]
+    qa.post_write(77, ma, 0, 1 << 16, mb.addr, mb.rkey)
+    assert [c.ok for c in wait_n(A, 1)] == [True]
+    A.publish()
+    cli = [sys.executable, "-m", "mrc_xdp.cli"]
+
+    def run(*a):
+        r = subprocess.run(cli + list(a), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    want = qa.stats()["tx_pkts"]
+    st = json.loads(run("stats", "-i", pair.ia, "--json"))
+    mine = [q for q in st["qps"] if q["qpn"] == qa.qpn and q["pid"] == os.getpid()]
+    assert mine and mine[0]["tx_pkts"] == want and mine[0]["state_name"] == "rts", st["qps"]
+    status = json.loads(run("status", "-i", pair.ia, "--json"))
+    assert any(q["qpn"] == qa.qpn and q["tx_pkts"] == want for q in status[0]["qps"]), status
+    assert "engine QPs" in run("stats", "-i", pair.ia)
+    m = run("metrics", "--once", "-i", pair.ia)
+    line = 'mrc_qp_tx_pkts_total{instance="%s",qpn="%#x",pid="%d"} %d' % (pair.ia, qa.qpn, os.getpid(), want)
+    assert line in m.splitlines(), [x for x in m.splitlines() if x.startswith("mrc_qp_tx_pkts_total")]
+    # a file left by a process that is gone is ignored and removed (closing an endpoint
+    # removes its own: tests/test_perf_cli.py::test_qps_from_another_process)
+    assert os.path.exists(A._pub.path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(os.path.dirname(A._pub.path), "%d.0.json" % dead.pid)
+    with open(stale, "w") as f:
+        json.dump({"instance": pair.ia, "pid": dead.pid, "time": 0, "qps": [dict(mine[0], qpn=0xDEAD)]}, f)
+    assert not any(q["qpn"] == 0xDEAD for q in transport.published_qps(pair.ia))
+    assert not os.path.exists(stale)

@@ -321,6 +321,8 @@ struct qp {
 	uint64_t txseq;
 	uint64_t cwnd, inflight;
 	uint64_t srtt, rttvar, min_rtt, rto, last_md_ns, rto_deadline;
+	uint64_t cc_acked, cc_ecn, cc_win_end;   /* this RTT's acked bytes, those in CE-echoing SACKs */
+	uint32_t cc_alpha;                       /* EWMA of the ECN fraction, /1024 (DCTCP's alpha) */
 	uint32_t retries, peer_mpr;
 	/* receiver */
 	uint32_t rcv_cack, rcv_ooo;
@@ -1171,27 +1173,59 @@ static void complete_wrs(struct mrc_eng *e, struct qp *q)
 	}
 }
 
+/* one multiplicative decrease of pct/1024 at most once per RTT (shared by ECN and trims) */
+static int cc_md(struct mrc_eng *e, struct qp *q, uint64_t frac1024, uint64_t now)
+{
+	uint64_t gap = q->srtt > 20000 ? q->srtt : 20000;
+
+	if (q->last_md_ns && now - q->last_md_ns < gap)
+		return 0;
+	q->cwnd -= q->cwnd * frac1024 / 1024;
+	if (q->cwnd < e->o.cc_min_cwnd)
+		q->cwnd = e->o.cc_min_cwnd;
+	q->last_md_ns = now;
+	q->st.cc_dec++;
+	return 1;
+}
+
+/* NSCC-style window.  ECN leads: the fraction of acked bytes that came back in CE-echoing
+ * SACKs is averaged per RTT (DCTCP's alpha, gain 1/16) and, whenever an RTT saw marks, the
+ * window shrinks by alpha/2 once per RTT, whatever the RTT (a fabric whose queues mark and
+ * trim without delaying, like the lab's phantom queues, never shows a high RTT).  RTT lags:
+ * above the target with ECN, a decrease proportional to the excess (at most cc_max_md %).
+ * Increase: proportional to the distance below the target while no mark was seen for a
+ * while (alpha ~ 0), else one cc_fair_inc per window (additive, fair). */
 static void cc_update(struct mrc_eng *e, struct qp *q, uint64_t acked, int ecn, uint64_t rtt, uint64_t now)
 {
 	uint64_t target = (uint64_t)e->o.cc_target_us * 1000, dec;
 
 	if (!rtt)
 		rtt = q->srtt;
-	if (!ecn && rtt < target) {
+	q->cc_acked += acked;
+	if (ecn)
+		q->cc_ecn += acked ? acked : q->payload;
+	if (now >= q->cc_win_end) {
+		uint64_t f = q->cc_acked ? q->cc_ecn * 1024 / q->cc_acked : (q->cc_ecn ? 1024 : 0);
+
+		if (f > 1024)
+			f = 1024;
+		q->cc_alpha = (uint32_t)((q->cc_alpha * 15 + f) / 16);
+		if (q->cc_ecn && f)
+			cc_md(e, q, (q->cc_alpha > f ? q->cc_alpha : f) / 2, now);   /* NSCC quick adapt: the fresh fraction when it is higher */
+		q->cc_acked = q->cc_ecn = 0;
+		q->cc_win_end = now + (q->srtt > 20000 ? q->srtt : 20000);
+	}
+	if (!ecn && rtt < target && q->cc_alpha < 16) {
 		q->cwnd += acked * e->o.cc_prop_gain / 100 * (target - rtt) / target;
 		q->st.cc_inc_prop++;
 	} else if (!ecn) {
 		q->cwnd += (uint64_t)e->o.cc_fair_inc * acked / (q->cwnd ? q->cwnd : 1);
 		q->st.cc_inc_fair++;
 	} else if (rtt >= target) {
-		if (now - q->last_md_ns > q->srtt) {
-			dec = (uint64_t)e->o.cc_md_gamma * (rtt - target) / rtt;
-			if (dec > e->o.cc_max_md)
-				dec = e->o.cc_max_md;
-			q->cwnd -= q->cwnd * dec / 100;
-			q->last_md_ns = now;
-		}
-		q->st.cc_dec++;
+		dec = (uint64_t)e->o.cc_md_gamma * (rtt - target) / rtt;
+		if (dec > e->o.cc_max_md)
+			dec = e->o.cc_max_md;
+		cc_md(e, q, dec * 1024 / 100, now);
 	} else {
 		q->st.cc_hold++;
 	}
@@ -1341,14 +1375,11 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		mark_lost(q, t);
 		q->st.rtx_nack_trim++;
 		now = now_ns();
-		/* trimming is congestion: at most one multiplicative decrease per RTT */
-		if (now - q->last_md_ns > q->srtt) {
-			q->cwnd -= q->cwnd * e->o.cc_max_md / 200;
-			if (q->cwnd < e->o.cc_min_cwnd)
-				q->cwnd = e->o.cc_min_cwnd;
-			q->last_md_ns = now;
-			q->st.cc_dec++;
-		}
+		/* trimming is congestion (UET NSCC: a NACK is a decrease signal): at most one
+		 * multiplicative decrease per RTT, half of cc_max_md; it also counts as marked
+		 * bytes for the ECN average */
+		q->cc_ecn += t->len;
+		cc_md(e, q, (uint64_t)e->o.cc_max_md * 1024 / 200, now);
 		return;
 	}
 	q->st.nacks_rx_other++;
@@ -1561,7 +1592,7 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 			}
 		}
 		q->rto = q->rto * 2 > (uint64_t)e->o.rto_max_us * 1000 ? (uint64_t)e->o.rto_max_us * 1000 : q->rto * 2;
-		q->cwnd = q->cwnd / 2 > e->o.cc_min_cwnd ? q->cwnd / 2 : e->o.cc_min_cwnd;
+		cc_md(e, q, 512, now);     /* halve, at most once per RTT (a burst of expiries at a path failure is one event) */
 		q->rto_deadline = now + q->rto;
 	}
 	if (q->rto_deadline < *next)
@@ -1640,13 +1671,13 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(dscp_trimmed, 12);
 	DEF(ack_every, 8);
 	DEF(ack_delay_us, 50);
-	DEF(rto_min_us, 10000);
+	DEF(rto_min_us, 1000);      /* the RTO is max(srtt + 4 rttvar, this) */
 	DEF(rto_max_us, 500000);
-	DEF(retry_limit, 8);
+	DEF(retry_limit, 12);
 	DEF(loss_reorder, 32);
 	DEF(window, MRC_PSN_RING / 2);   /* the datapath counts feedback for < MRC_PSN_RING in flight */
 	DEF(cc_init_cwnd, 64 * o->payload);
-	DEF(cc_min_cwnd, o->payload);
+	DEF(cc_min_cwnd, 4 * o->payload);   /* one packet per path of a 4-path fabric */
 	DEF(cc_max_cwnd, o->window * o->payload);
 	DEF(cc_target_us, 200);
 	DEF(cc_fair_inc, o->payload);

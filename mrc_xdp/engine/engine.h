@@ -71,10 +71,10 @@ struct mrc_eng_opts {
 	uint32_t dscp_trimmed;      /* the DSCP the fabric writes into trimmed frames (12) */
 	uint32_t ack_every;         /* SACK at least every N data packets (8) */
 	uint32_t ack_delay_us;      /* ... or this long after the first unacknowledged one (50) */
-	uint32_t rto_min_us;        /* RTO floor (10000: RACK and NACKs find losses first; a
-	                             * busy 2-core host can stall a thread for milliseconds) */
+	uint32_t rto_min_us;        /* RTO floor (1000); the RTO is max(srtt + 4 rttvar, floor),
+	                             * doubling per expiry up to rto_max_us */
 	uint32_t rto_max_us;        /* RTO ceiling (500000) */
-	uint32_t retry_limit;       /* consecutive timeouts before the QP goes to error (8) */
+	uint32_t retry_limit;       /* consecutive timeouts before the QP goes to error (12) */
 	uint32_t loss_reorder;      /* SACK holes this far below the newest SACKed PSN are lost (32) */
 	uint32_t window;            /* PSN window (MPR) in packets, power of 2, 128..16384 (512: the
 	                             * datapath attributes feedback only within MRC_PSN_RING) */
@@ -82,7 +82,7 @@ struct mrc_eng_opts {
 	                             * SACK's CC_STATE: RTT samples from retransmissions too */
 	/* NSCC-style congestion window */
 	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
-	uint32_t cc_min_cwnd;       /* bytes (default 1 packet) */
+	uint32_t cc_min_cwnd;       /* bytes (default 4 packets: one per path of 4) */
 	uint32_t cc_max_cwnd;       /* bytes (default window * payload) */
 	uint32_t cc_target_us;      /* target delay (default 200) */
 	uint32_t cc_fair_inc;       /* fair increase: bytes per RTT (default 1 packet) */
