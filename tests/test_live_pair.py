@@ -214,18 +214,23 @@ def test_load_spray_feedback_unload(pair):
 
     # the metrics endpoint serves the same numbers over HTTP (loopback)
     import urllib.request
-    port = 19417 + os.getpid() % 1000
-    srv = subprocess.Popen(CLI + ["metrics", "--listen", "127.0.0.1:%d" % port, "--seconds", "20"],
+    import socket
+    with socket.socket() as s:          # a port free now (a fixed one can clash with another run)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen(CLI + ["metrics", "--listen", "127.0.0.1:%d" % port, "--seconds", "60"],
                            stderr=subprocess.PIPE, text=True)
     try:
         body = None
-        for _ in range(50):
+        deadline = time.monotonic() + 30    # CLI start-up (bcc import) is slow on a loaded host
+        while time.monotonic() < deadline and srv.poll() is None:
             try:
                 body = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=2).read().decode()
                 break
             except OSError:
                 time.sleep(0.1)
-        assert body is not None, "metrics endpoint never answered"
+        assert body is not None, "metrics endpoint never answered (exit %s: %s)" % (
+            srv.poll(), srv.stderr.read() if srv.poll() is not None else "")
     finally:
         srv.terminate()
         srv.wait(timeout=10)
