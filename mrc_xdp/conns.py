@@ -30,7 +30,7 @@ import time
 
 from . import bpfsys
 from .config import Connection, EvSpec
-from .maps import (ACTIVE_MAX, MAX_CONNS, SLOTS, NotLoaded, _addr, _u32, pin_dir,
+from .maps import (ACTIVE_MAX, MAX_CONNS, QPN_PROBE, SLOTS, NotLoaded, _addr, _u32, pin_dir,
                    rotation_strides, state_path)
 from .shared import EvReason, EvState, const, ffi, sizeof, to_bytes
 
@@ -261,6 +261,7 @@ def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_p
     # the index last: from here on the datapath sees a complete connection
     for d, q in ((0, remote_qpn), (1, local_qpn)):
         m["mrc_connidx"].update(_conn_key(peer, q, d), _u32(cid))
+    _index_probes(m, peer, cid, replace=False)
     meta = {"name": name or "%s/%d" % (peer, remote_qpn), "peer": peer, "local_qpn": local_qpn,
             "remote_qpn": remote_qpn, "runtime": True}
     if owner is not None:
@@ -314,6 +315,16 @@ def remove(instance: str, peer: str, local_qpn: int) -> dict:
             m.close()
 
 
+def _index_probes(m: _Maps, peer: str, cid: int, replace: bool) -> None:
+    """Connectionless probes (QPN 0x2) to and from peer use one connection's EV set, as at
+    load (maps.write_connection): the first connection to that peer keeps them; replace
+    hands them to cid (when the connection that had them goes)."""
+    for d in (0, 1):
+        k = _conn_key(peer, QPN_PROBE, d)
+        if replace or m["mrc_connidx"].lookup(k) is None:
+            m["mrc_connidx"].update(k, _u32(cid))
+
+
 def _remove(m: _Maps, state: dict, cid: int) -> dict:
     conns = state["connections"]
     meta = conns[cid]
@@ -330,6 +341,11 @@ def _remove(m: _Maps, state: dict, cid: int) -> dict:
     _zero(m["mrc_conns"], cid)       # the per-CPU connection cache no longer matches
     _clear_slots(m, cid, slots)
     conns[cid] = None
+    # connectionless probes of this peer stay answered while another connection to it lives
+    paddr = ipaddress.IPv6Address(peer)
+    heir = next((i for i, o in enumerate(conns) if o and ipaddress.IPv6Address(o["peer"]) == paddr), None)
+    if heir is not None:
+        _index_probes(m, peer, heir, replace=True)
     while conns and conns[-1] is None:
         conns.pop()
     _write_state(state)

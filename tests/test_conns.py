@@ -186,3 +186,37 @@ def test_concurrent_add_remove(pair):
     assert [c["id"] for c in conns.list_(ia)] == [0]
     for cid in range(1, 8):
         assert conns.leftovers(ia, cid) == [], cid
+
+
+def _probe_idx(inst, peer):
+    """Connection id the QPN 0x2 (connectionless probe) index keys of peer name, per direction."""
+    from mrc_xdp.maps import QPN_PROBE
+    m = conns._Maps(inst)
+    try:
+        out = []
+        for d in (0, 1):
+            v = m["mrc_connidx"].lookup(conns._conn_key(peer, QPN_PROBE, d))
+            out.append(None if v is None else int.from_bytes(v, "little"))
+        return out
+    finally:
+        m.close()
+
+
+def test_connectionless_probe_index_follows_runtime_connections(pair):
+    """Probes on QPN 0x2 to a peer are answered through one connection's EV set: a run-time
+    connection to a new peer provides it, a second one inherits it when the first goes, and
+    the last one takes it away; the loaded connection's keys are never disturbed."""
+    ia = pair["ia"]
+    c_addr = "fd00:78::c"
+    assert _probe_idx(ia, B_ADDR) == [0, 0] and _probe_idx(ia, c_addr) == [None, None]
+    x = conns.add(ia, c_addr, 0x500, 0x501)
+    y = conns.add(ia, c_addr, 0x502, 0x503)
+    assert _probe_idx(ia, c_addr) == [x["id"], x["id"]]
+    conns.remove(ia, c_addr, 0x500)
+    assert _probe_idx(ia, c_addr) == [y["id"], y["id"]]
+    conns.remove(ia, c_addr, 0x502)
+    assert _probe_idx(ia, c_addr) == [None, None]
+    z = conns.add(ia, B_ADDR, 0x504, 0x505)        # a second connection to a loaded peer
+    assert _probe_idx(ia, B_ADDR) == [0, 0]
+    conns.remove(ia, B_ADDR, 0x504)
+    assert _probe_idx(ia, B_ADDR) == [0, 0] and conns.leftovers(ia, z["id"]) == []
