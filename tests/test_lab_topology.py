@@ -117,3 +117,11 @@ def test_single_plane_single_t0():
     t = T.from_dict({"planes": 1, "t0_per_plane": 1, "t1_per_plane": 1,
                      "hosts": [{"name": "a", "t0": 0}, {"name": "b", "t0": 0}]})
     assert len(t.links) == 3 and t.srv6_usids("a", "b") == [0x0100, 0x0301]
+
+
+def test_topology_keeps_its_own_name():
+    """The file's name is the topology's (it was overwritten by the last host's)."""
+    from mrc_xdp.lab import topology as T
+    t = T.load()
+    assert t.name == "default" and [h.name for h in t.hosts] == ["h0", "h1", "h2", "h3"]
+    assert T.from_dict(t.to_dict()).name == "default"

@@ -400,18 +400,18 @@ def from_dict(d: dict, source: str = "") -> Topology:
         if not isinstance(h, dict):
             raise TopologyError("%s: expected a table" % k)
         _unknown(h, {"name", "t0"}, k)
-        name = h.get("name")
-        if not isinstance(name, str) or not _HOSTNAME.fullmatch(name):
-            raise TopologyError("%s.name: %s must be 1-8 characters of [a-z0-9_]" % (k, V.show(name)))
-        if re.match(r"^p\d+t[01]s\d+$", name) or name in ("lab",):
-            raise TopologyError("%s.name: %r is reserved (switch names are p<n>t0s<i>/p<n>t1s<j>)" % (k, name))
-        if name in names:
-            raise TopologyError("%s.name: duplicate host %r" % (k, name))
-        names.add(name)
+        hname = h.get("name")
+        if not isinstance(hname, str) or not _HOSTNAME.fullmatch(hname):
+            raise TopologyError("%s.name: %s must be 1-8 characters of [a-z0-9_]" % (k, V.show(hname)))
+        if re.match(r"^p\d+t[01]s\d+$", hname) or hname in ("lab",):
+            raise TopologyError("%s.name: %r is reserved (switch names are p<n>t0s<i>/p<n>t1s<j>)" % (k, hname))
+        if hname in names:
+            raise TopologyError("%s.name: duplicate host %r" % (k, hname))
+        names.add(hname)
         if "t0" not in h:
             raise TopologyError("%s.t0: required (the T0 index this host joins in every plane)" % k)
         t0 = _int(h["t0"], k + ".t0", 0, t0n - 1)
-        hosts.append(Host(name, i, t0, str(ipaddress.IPv6Address(int(base.network_address) | (i + 1)))))
+        hosts.append(Host(hname, i, t0, str(ipaddress.IPv6Address(int(base.network_address) | (i + 1)))))
     ends = 2 * planes * (len(hosts) + t0n * t1n)     # the links _derive makes, before making them
     if ends > LINK_MAX:
         raise TopologyError("hosts/planes: %d link ends exceed the link model's %d" % (ends, LINK_MAX))
