@@ -684,6 +684,10 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 
 void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out) { *out = e->o; }
 
+static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now);
+static void tx_kick(struct mrc_eng *e);
+static void tx_complete(struct mrc_eng *e);
+
 int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t laddr,
 		       uint32_t lkey, uint64_t len, uint64_t raddr, uint32_t rkey,
 		       int with_imm, uint32_t imm)
@@ -733,6 +737,13 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 		q->cur_off = 0;
 	}
 	q->st.wr_posted++;
+	/* transmit what the window allows now, in the caller's thread: the packet leaves
+	 * without waiting for the progress thread to wake (one scheduling delay less on the
+	 * latency path); the thread is still woken, off that path, to arm the RTO and send
+	 * the rest */
+	tx_complete(e);
+	qp_tx(e, q, now_ns());
+	tx_kick(e);
 	pthread_mutex_unlock(&e->mu);
 	(void)!write(e->wake_fd, &one, sizeof(one));
 	return 0;
@@ -1580,19 +1591,22 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 			qp_error(e, q, MRC_WC_RETRY_EXC_ERR);
 			return;
 		}
-		/* what was sent at least one RTO ago is presumed lost (always the oldest);
-		 * retransmit selectively */
+		/* first expiry since progress: a probe (the oldest PSN only, its SACK lets RACK
+		 * find the rest; a host that merely stalled the thread costs one packet); from
+		 * the second on, what was sent at least one RTO ago is presumed lost, resent
+		 * selectively, and the window halves (at most once per RTT) */
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
 			if (t->psn == p && t->state == TXP_INFLIGHT &&
-			    (p == q->snd_una || t->tx_ns + q->rto <= now)) {
+			    (p == q->snd_una || (q->retries > 1 && t->tx_ns + q->rto <= now))) {
 				mark_lost(q, t);
 				q->st.rtx_timeout++;
 			}
 		}
 		q->rto = q->rto * 2 > (uint64_t)e->o.rto_max_us * 1000 ? (uint64_t)e->o.rto_max_us * 1000 : q->rto * 2;
-		cc_md(e, q, 512, now);     /* halve, at most once per RTT (a burst of expiries at a path failure is one event) */
+		if (q->retries > 1)
+			cc_md(e, q, 512, now);
 		q->rto_deadline = now + q->rto;
 	}
 	if (q->rto_deadline < *next)
