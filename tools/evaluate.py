@@ -914,6 +914,14 @@ def report(res, mach, args, out, parts, elapsed):
                 k.replace("_", ", "), 1e3 * x["median_s"], 1e3 * min(x["per_iter_s"]), 1e3 * max(x["per_iter_s"]),
                 "yes" if x["verified"] else "NO", x["flaps"], 100 * x["flap_t1_share"]))
         w("")
+        fl = [k for k in ("mrc_flap", "tcp_flap") if r["runs"][k]["flap_t1_share"] < 0.05]
+        if fl:
+            w("The last column: in %s almost none of the plane-0 T1 traffic crossed the flapping T1 (MRC retires "
+              "its EVs there at the first blackhole; a TCP run's new connections hash anew, and may avoid it from "
+              "the start), so those figures say more about the machine's load during the run than about the flap. "
+              "The runs follow one another on a shared machine: compare min and max before reading a difference."
+              % " and ".join(k.replace("_", ", ") for k in fl))
+            w("")
         w(where("d"))
         w("")
     if "e" in res:
