@@ -544,29 +544,41 @@ _pub_seq = iter(range(1 << 62))
 
 
 class _Publisher:
-    """Every `interval` seconds (a daemon thread that sleeps in between), write the
-    endpoint's per-QP engine counters to /run/mrc-xdp/qps/<instance>/<pid>.<n>.json
-    (atomically), so `mrc-xdp stats/status/qps` and the metrics endpoint of another
-    process see every Endpoint user; the file goes at close, and readers ignore (and
-    remove) files whose process is gone."""
+    """Write the endpoint's per-QP engine counters to
+    /run/mrc-xdp/qps/<instance>/<pid>.<n>.json (atomically) every `interval` seconds, so
+    `mrc-xdp stats/status/qps` and the metrics endpoint of another process see every
+    Endpoint user; the file goes at close, and readers ignore (and remove) files whose
+    process is gone.  One daemon thread per process serves every endpoint (it sleeps in
+    between and exits with the last endpoint)."""
+
+    _mu = threading.Lock()
+    _all: set = set()
+    _thread = None
+    _wake = threading.Event()
 
     def __init__(self, ep: Endpoint, interval: float):
-        self.ep, self.interval = ep, interval
+        self.ep, self.interval = ep, max(0.05, float(interval))
         self.dir = os.path.join(QP_STATS_DIR, ep.instance)
         self.path = os.path.join(self.dir, "%d.%d.json" % (os.getpid(), next(_pub_seq)))
         self.cmd = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-        self._mu = threading.Lock()
-        self._stop = threading.Event()
+        self.due = 0.0
+        self.closed = False
+        self._wmu = threading.Lock()
         try:
             self.write()
         except OSError:
             pass
-        self._t = threading.Thread(target=self._run, daemon=True, name="mrc-qp-publish")
-        self._t.start()
+        cls = _Publisher
+        with cls._mu:
+            cls._all.add(self)
+            if cls._thread is None:
+                cls._wake.clear()
+                cls._thread = threading.Thread(target=cls._run, daemon=True, name="mrc-qp-publish")
+                cls._thread.start()
 
     def write(self) -> None:
-        with self._mu:
-            if self._stop.is_set() or self.ep._e is None:
+        with self._wmu:
+            if self.closed or self.ep._e is None:
                 return
             doc = {"instance": self.ep.instance, "pid": os.getpid(), "cmd": self.cmd,
                    "time": time.time(), "qps": self.ep.qp_stats()}
@@ -575,24 +587,42 @@ class _Publisher:
             with open(tmp, "w") as f:
                 json.dump(doc, f)
             os.replace(tmp, self.path)
+            self.due = time.monotonic() + self.interval
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.write()
-            except (OSError, RuntimeError, TransportError):
-                pass
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            with cls._mu:
+                pubs = list(cls._all)
+                if not pubs:
+                    cls._thread = None
+                    return
+            now = time.monotonic()
+            for p in pubs:
+                if now >= p.due:
+                    try:
+                        p.write()
+                    except (OSError, RuntimeError, TransportError):
+                        pass
+            nxt = min((p.due for p in pubs), default=now + 1.0)
+            cls._wake.wait(max(0.01, nxt - time.monotonic()))
+            cls._wake.clear()
 
     def stop(self) -> None:
-        self._stop.set()
-        with self._mu:          # no write in progress once this returns
+        cls = _Publisher
+        with self._wmu:         # no write in progress once this returns
+            self.closed = True
             for p in (self.path, self.path + ".tmp"):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-        if self._t is not threading.current_thread():
-            self._t.join(2)
+        with cls._mu:
+            cls._all.discard(self)
+            t = cls._thread if not cls._all else None
+        if t is not None and t is not threading.current_thread():
+            cls._wake.set()
+            t.join(5)
 
 
 def published_qps(instance: str | None = None) -> list[dict]:
