@@ -1691,7 +1691,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(loss_reorder, 32);
 	DEF(window, MRC_PSN_RING / 2);   /* the datapath counts feedback for < MRC_PSN_RING in flight */
 	DEF(cc_init_cwnd, 64 * o->payload);
-	DEF(cc_min_cwnd, 4 * o->payload);   /* one packet per path of a 4-path fabric */
+	DEF(cc_min_cwnd, o->payload);   /* spraying rotates EVs per packet: even 1 packet in flight uses every path */
 	DEF(cc_max_cwnd, o->window * o->payload);
 	DEF(cc_target_us, 200);
 	DEF(cc_fair_inc, o->payload);
