@@ -82,7 +82,7 @@ struct mrc_eng_opts {
 	                             * SACK's CC_STATE: RTT samples from retransmissions too */
 	/* NSCC-style congestion window */
 	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
-	uint32_t cc_min_cwnd;       /* bytes (default 4 packets: one per path of 4) */
+	uint32_t cc_min_cwnd;       /* bytes (default 1 packet: spray rotates EVs per packet) */
 	uint32_t cc_max_cwnd;       /* bytes (default window * payload) */
 	uint32_t cc_target_us;      /* target delay (default 200) */
 	uint32_t cc_fair_inc;       /* fair increase: bytes per RTT (default 1 packet) */
