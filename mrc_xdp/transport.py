@@ -617,12 +617,22 @@ class _Publisher:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
+            _rmdir_if_empty(self.dir)
         with cls._mu:
             cls._all.discard(self)
             t = cls._thread if not cls._all else None
         if t is not None and t is not threading.current_thread():
             cls._wake.set()
             t.join(5)
+
+
+def _rmdir_if_empty(d: str) -> None:
+    """Remove an instance's publish directory once no endpoint file is left in it (a
+    publisher that recreates it meanwhile retries its write at its next interval)."""
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass
 
 
 def published_qps(instance: str | None = None) -> list[dict]:
@@ -662,6 +672,7 @@ def published_qps(instance: str | None = None) -> list[dict]:
             for q in doc.get("qps", []):
                 out.append(dict(q, instance=doc.get("instance", inst), pid=pid, cmd=doc.get("cmd", ""),
                                 age_s=round(time.time() - doc.get("time", 0), 1)))
+        _rmdir_if_empty(d)
     return out
 
 

@@ -148,3 +148,5 @@ def test_qps_from_another_process(pair):
                 p.kill()
     r = subprocess.run(CLI + ["qps", "-i", pair["a"], "--json"], capture_output=True, text=True, timeout=30)
     assert json.loads(r.stdout) == []
+    # and no empty publish directory is left behind per instance
+    assert not os.path.exists(os.path.join("/run/mrc-xdp/qps", pair["a"]))
