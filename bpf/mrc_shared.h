@@ -114,6 +114,11 @@ enum mrc_ev_reason {
 	MRC_R_REPLACED    = 6,   /* backup EV promoted into an active slot */
 	MRC_R_OPERATOR    = 7,   /* deny / allow from user space */
 	MRC_R_PROBE_OK    = 8,   /* resurrected after probes */
+	MRC_R_LINK_DOWN   = 9,   /* the plane NIC went down (daemon) */
+	MRC_R_LINK_UP     = 10,  /* the plane NIC came back up (daemon) */
+	MRC_R_PROBE_FAIL  = 11,  /* background probes of a GOOD EV went unanswered (daemon) */
+	MRC_R_RTX_LOSS    = 12,  /* the sender retransmitted a send that no SACK had blamed
+	                          * (a loss found by its retransmission timer) */
 };
 
 /* Operator / daemon EV change, run by user space through BPF_PROG_TEST_RUN of mrc_evop
