@@ -112,31 +112,6 @@ def _open(args):
     return Instance(args.instance)
 
 
-def _pinned_map_id(instance: str, name: str):
-    """The id of the map pinned as <instance>/<name>, None when it is not pinned."""
-    from . import bpfsys
-    from .maps import pin_dir
-    try:
-        fd = bpfsys.obj_get(os.path.join(pin_dir(instance), name))
-    except OSError:
-        return None
-    try:
-        return bpfsys.map_info(fd).id
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _load_complete(instance: str) -> bool:
-    from .maps import state_path
-    try:
-        with open(state_path(instance)) as f:
-            return json.load(f).get("complete") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 class _Watch:
     """The instance a watcher (stats --watch, events --follow) reads, through the map it
     holds open.  An open map outlives its pin: after an unload the watcher would read
@@ -165,20 +140,20 @@ class _Watch:
     def check(self) -> bool:
         """True: the held maps are the pinned ones.  False: they were replaced and the new
         instance is open now (only with --wait-reload; without it, CliError)."""
+        from .maps import NotLoaded, load_complete, pinned_map_id
         name = self.args.instance
-        now = _pinned_map_id(name, self.map_name)
+        now = pinned_map_id(name, self.map_name)
         if now == self.held:
             return True
         what = "unloaded (its pins are gone)" if now is None else "reloaded (its maps were replaced)"
         if not self.args.wait_reload:
             raise CliError("instance %r was %s: stopped watching (--wait-reload follows reloads)" % (name, what))
         self.close()
-        if now is None or not _load_complete(name):
+        if now is None or not load_complete(name):
             print("mrc-xdp: instance %r was %s: waiting for it to be loaded again" % (name, what),
                   file=sys.stderr, flush=True)
-        from .maps import NotLoaded
         while True:
-            if _pinned_map_id(name, self.map_name) is not None and _load_complete(name):
+            if pinned_map_id(name, self.map_name) is not None and load_complete(name):
                 try:
                     self._open()
                     break
@@ -218,6 +193,7 @@ def cmd_status(args):
                     by_state[r["state"]] = by_state.get(r["state"], 0) + 1
             st = dict(inst.state)
             st["active_evs_by_state"] = by_state
+            st["planes_down"] = inst.planes_down()
             st["counters"] = {k: v for k, v in inst.counters().items() if v}
             st["qps"] = _engine_qps(n)
             out.append(st)
@@ -233,8 +209,9 @@ def cmd_status(args):
             print("  spray    %s (%s)" % (s.get("fabric_dev"), s.get("xdp_modes", {}).get(s.get("fabric_dev"))))
             print("  engine   %s (%s)" % (s.get("app_dev"), s.get("xdp_modes", {}).get(s.get("app_dev"))))
             for i, p in enumerate(s.get("planes", [])):
-                print("  plane %d  %s ingress (%s), next hop %s" % (
-                    i, p["dev"], s.get("xdp_modes", {}).get(p["dev"]), p["gateway_mac"]))
+                print("  plane %d  %s ingress (%s), next hop %s%s" % (
+                    i, p["dev"], s.get("xdp_modes", {}).get(p["dev"]), p["gateway_mac"],
+                    "  OUT OF ROTATION (link down)" if i < len(s.get("planes_down", [])) and s["planes_down"][i] else ""))
             print("  %d connections; active EVs: %s" % (len(s.get("connections", [])), ", ".join(
                 "%d %s" % (v, k) for k, v in sorted(s["active_evs_by_state"].items())) or "none"))
             c = s["counters"]
@@ -314,9 +291,11 @@ def _stats_obj(inst, prev, cur):
     planes = {}
     for r in evs:
         planes[r["plane"]] = planes.get(r["plane"], 0) + r["tx_pkts"]
+    down = inst.planes_down()
     return {"instance": inst.name, "interval_s": round(dt, 3), "counters": ctr,
             "rates": {k: round(v, 1) for k, v in rates.items() if v},
-            "planes": {str(p): {"tx_pkts": n, "share": round(100.0 * n / tot, 2)} for p, n in sorted(planes.items())},
+            "planes": {str(p): {"tx_pkts": n, "share": round(100.0 * n / tot, 2),
+                                "out_of_rotation": p < len(down) and down[p]} for p, n in sorted(planes.items())},
             "evs": evs, "rx_evs": inst.rx_evs(), "qps": _engine_qps(inst.name)}
 
 
@@ -338,8 +317,9 @@ def _stats_text(s, all_counters=False):
     print("instance %s%s" % (s["instance"], "   (rates over %.1f s)" % s["interval_s"] if s["interval_s"] else ""))
     print(table(rows, ["counter", "value", "rate"]) if rows else "(all counters zero)")
     if s["planes"]:
-        print("\nplanes: " + "   ".join("plane %s %d pkts (%.1f%%)" % (p, v["tx_pkts"], v["share"])
-                                       for p, v in s["planes"].items()))
+        print("\nplanes: " + "   ".join("plane %s %d pkts (%.1f%%)%s" % (
+            p, v["tx_pkts"], v["share"], " OUT OF ROTATION (link down)" if v.get("out_of_rotation") else "")
+            for p, v in s["planes"].items()))
     if s["evs"]:
         cols = ["conn", "ev", "plane", "t1", "role", "state", "tx_pkts", "share", "sack", "ecn", "trim",
                 "loss", "skipped"]

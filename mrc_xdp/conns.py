@@ -25,14 +25,12 @@ import fcntl
 import ipaddress
 import json
 import os
-import random
-import time
 
 from . import bpfsys
 from .config import Connection, EvSpec
-from .maps import (ACTIVE_MAX, MAX_CONNS, QPN_PROBE, SLOTS, NotLoaded, _addr, _u32, pin_dir,
-                   rotation_strides, state_path)
-from .shared import EvReason, EvState, const, ffi, sizeof, to_bytes
+from .maps import (ACTIVE_MAX, MAX_CONNS, SLOTS, NotLoaded, conn_key, index_probes, pin_dir,
+                   put_connection, state_path)
+from .shared import EvState, const, ffi, sizeof
 
 PSN_RING = const("MRC_PSN_RING")
 MAPS = ("mrc_conns", "mrc_connidx", "mrc_evs", "mrc_evidx", "mrc_evctr", "mrc_rot",
@@ -93,13 +91,6 @@ class _Maps:
     def close(self):
         for mp in self.m.values():
             mp.close()
-
-
-def _conn_key(peer: str, qpn: int, d: int) -> bytes:
-    key = ffi.new("struct mrc_conn_key *")
-    ffi.memmove(key.peer, _addr(peer), 16)
-    key.qpn, key.dir = qpn, d
-    return to_bytes(key)
 
 
 def _struct(ctype: str, raw: bytes):
@@ -189,7 +180,7 @@ def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_p
             raise ConnError("connection to %s with local QPN %#x or remote QPN %#x exists (id %d, %s)"
                             % (peer, local_qpn, remote_qpn, cid, c.get("name") or "unnamed"))
     for d, q in ((0, remote_qpn), (1, local_qpn)):
-        if m["mrc_connidx"].lookup(_conn_key(peer, q, d)) is not None:
+        if m["mrc_connidx"].lookup(conn_key(peer, q, d)) is not None:
             raise ConnError("connection to %s QPN %#x is in the datapath's index but not in the "
                             "state file: unload and load the instance again" % (peer, q))
     cid = next((i for i, c in enumerate(conns) if c is None), len(conns))
@@ -235,33 +226,8 @@ def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_p
 
     if m["mrc_conns"].lookup(cid) != bytes(m["mrc_conns"].value_size):
         _clear_slots(m, cid)        # a process died in the middle of a remove: finish it
-    rng = random.Random(cid * 7919 + local_qpn)
-    cc = ffi.new("struct mrc_conn *")
-    ffi.memmove(cc.peer, _addr(peer), 16)
-    cc.local_qpn, cc.remote_qpn = local_qpn, remote_qpn
-    cc.ev_per_plane, cc.backup_per_plane = ev_per_plane, backup_per_plane
-    cc.tmpl = template or 0
-    for i, s in enumerate(rotation_strides(ev_per_plane, rng)):
-        cc.stride[i] = s
-    m["mrc_conns"].update(cid, to_bytes(cc))
-    ev = ffi.new("struct mrc_ev *")
-    k = ffi.new("struct mrc_evidx_key *")
-    k.conn = cid
-    now = time.monotonic_ns()
-    for region, sets, per in ((0, active, ev_per_plane), (ACTIVE_MAX, backup, backup_per_plane)):
-        for p, specs in enumerate(sets):
-            for j, spec in enumerate(specs):
-                slot = region + p * per + j
-                ev.ev, ev.plane, ev.t1 = spec.ev, spec.plane, spec.t1
-                ev.state, ev.reason = EvState.GOOD, EvReason.NONE
-                ev.cidx, ev.losses, ev.changed_ns = slot, 0, now
-                m["mrc_evs"].update(cid * SLOTS + slot, to_bytes(ev))
-                k.ev = spec.ev
-                m["mrc_evidx"].update(to_bytes(k), _u32(slot))
-    # the index last: from here on the datapath sees a complete connection
-    for d, q in ((0, remote_qpn), (1, local_qpn)):
-        m["mrc_connidx"].update(_conn_key(peer, q, d), _u32(cid))
-    _index_probes(m, peer, cid, replace=False)
+    # the connection's row and EV slots, its mrc_connidx keys last (as at load)
+    put_connection(m, cid, conn, template or 0, (active, backup))
     meta = {"name": name or "%s/%d" % (peer, remote_qpn), "peer": peer, "local_qpn": local_qpn,
             "remote_qpn": remote_qpn, "runtime": True}
     if owner is not None:
@@ -315,23 +281,13 @@ def remove(instance: str, peer: str, local_qpn: int) -> dict:
             m.close()
 
 
-def _index_probes(m: _Maps, peer: str, cid: int, replace: bool) -> None:
-    """Connectionless probes (QPN 0x2) to and from peer use one connection's EV set, as at
-    load (maps.write_connection): the first connection to that peer keeps them; replace
-    hands them to cid (when the connection that had them goes)."""
-    for d in (0, 1):
-        k = _conn_key(peer, QPN_PROBE, d)
-        if replace or m["mrc_connidx"].lookup(k) is None:
-            m["mrc_connidx"].update(k, _u32(cid))
-
-
 def _remove(m: _Maps, state: dict, cid: int) -> dict:
     conns = state["connections"]
     meta = conns[cid]
     c = _conn_at(m, cid)
     peer = str(ipaddress.IPv6Address(bytes(c.peer)))
     for d, q in ((0, c.remote_qpn), (1, c.local_qpn)):
-        m["mrc_connidx"].delete(_conn_key(peer, q, d))
+        m["mrc_connidx"].delete(conn_key(peer, q, d))
     # any key still naming this id (e.g. written by hand) goes too
     for kb, v in list(m["mrc_connidx"].items()):
         if int.from_bytes(v, "little") == cid:
@@ -345,7 +301,7 @@ def _remove(m: _Maps, state: dict, cid: int) -> dict:
     paddr = ipaddress.IPv6Address(peer)
     heir = next((i for i, o in enumerate(conns) if o and ipaddress.IPv6Address(o["peer"]) == paddr), None)
     if heir is not None:
-        _index_probes(m, peer, heir, replace=True)
+        index_probes(m, peer, heir, replace=True)
     while conns and conns[-1] is None:
         conns.pop()
     _write_state(state)

@@ -66,6 +66,29 @@ def instances() -> list[str]:
         return []
 
 
+def pinned_map_id(instance: str, name: str):
+    """The id of the map pinned as <instance>/<name>, None when it is not pinned."""
+    try:
+        fd = bpfsys.obj_get(os.path.join(pin_dir(instance), name))
+    except (OSError, ValueError):
+        return None
+    try:
+        return bpfsys.map_info(fd).id
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def load_complete(instance: str) -> bool:
+    """True when the instance's state file says its load went through to the end."""
+    try:
+        with open(state_path(instance)) as f:
+            return json.load(f).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _u32(v: int) -> bytes:
     return int(v).to_bytes(4, "little")
 
@@ -169,24 +192,34 @@ def conn_key(peer: str, qpn: int, d: int) -> bytes:
 
 
 def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
-    nplanes = len(cfg.planes)
+    """Write connection cid of the config (at load)."""
+    tmpl = cfg.template_index(conn.template) if conn.template else 0
+    put_connection(m, cid, conn, tmpl, conn.ev_sets(len(cfg.planes)))
+
+
+def put_connection(m, cid: int, conn, tmpl: int, sets) -> None:
+    """Write connection cid: its mrc_conns row (SRv6 row template tmpl), its EV slots
+    (mrc_evs, mrc_evidx), and only then the two mrc_connidx keys that make the datapath
+    see it, and its peer's connectionless-probe keys when no connection has them yet.
+    m: map name -> bpfsys.Map; conn: a config.Connection; sets: conn.ev_sets(nplanes)."""
     rng = random.Random(cid * 7919 + conn.local_qpn)
     cc = ffi.new("struct mrc_conn *")
     ffi.memmove(cc.peer, _addr(conn.peer), 16)
     cc.local_qpn, cc.remote_qpn = conn.local_qpn, conn.remote_qpn
     cc.ev_per_plane, cc.backup_per_plane = conn.ev_per_plane, conn.backup_per_plane
-    cc.tmpl = cfg.template_index(conn.template) if conn.template else 0
+    cc.tmpl = tmpl
     for i, s in enumerate(rotation_strides(conn.ev_per_plane, rng)):
         cc.stride[i] = s
     m["mrc_conns"].update(cid, to_bytes(cc))
 
-    active, backup = conn.ev_sets(nplanes)
+    active, backup = sets
     ev = ffi.new("struct mrc_ev *")
     now = time.monotonic_ns()
     k = ffi.new("struct mrc_evidx_key *")
     k.conn = cid
-    for region, sets, per in ((0, active, conn.ev_per_plane), (ACTIVE_MAX, backup, conn.backup_per_plane)):
-        for p, evs in enumerate(sets):
+    for region, per_plane, per in ((0, active, conn.ev_per_plane),
+                                   (ACTIVE_MAX, backup, conn.backup_per_plane)):
+        for p, evs in enumerate(per_plane):
             for j, spec in enumerate(evs):
                 slot = region + p * per + j
                 ev.ev, ev.plane, ev.t1 = spec.ev, spec.plane, spec.t1
@@ -199,13 +232,20 @@ def write_connection(m: dict, cfg: HostConfig, cid: int, conn) -> None:
                 k.ev = spec.ev
                 m["mrc_evidx"].update(to_bytes(k), _u32(slot))
 
+    # the index last: from here on the datapath sees a complete connection
     for d in (0, 1):
         m["mrc_connidx"].update(conn_key(conn.peer, conn.remote_qpn if d == 0 else conn.local_qpn, d),
                                 _u32(cid))
-    # connectionless probes (QPN 2) to and from this peer: the first connection's set
+    index_probes(m, conn.peer, cid)
+
+
+def index_probes(m, peer: str, cid: int, replace: bool = False) -> None:
+    """Connectionless probes (QPN 0x2) to and from peer use one connection's EV set: the
+    first connection to that peer keeps them; replace hands them to cid (when the
+    connection that had them goes)."""
     for d in (0, 1):
-        k = conn_key(conn.peer, QPN_PROBE, d)
-        if m["mrc_connidx"].lookup(k) is None:
+        k = conn_key(peer, QPN_PROBE, d)
+        if replace or m["mrc_connidx"].lookup(k) is None:
             m["mrc_connidx"].update(k, _u32(cid))
 
 
@@ -438,3 +478,41 @@ class Instance:
         return set_ev_state(self.map("mrc_evs"), self.map("mrc_evidx"), cid, ev, state,
                             evop_fd=self.evop_fd())
 
+    # -- planes out of rotation (the health daemon, following plane NIC link state)
+    def _planes_map(self):
+        mp = self.map("mrc_planes")
+        if mp.value_size != sizeof("struct mrc_plane"):
+            raise NotLoaded("instance %r was loaded by an older mrc-xdp (its mrc_planes has no flags): "
+                            "reload it (`mrc-xdp load`)" % self.name)
+        return mp
+
+    def planes_down(self) -> list[bool]:
+        """Per configured plane: True while it is out of rotation (MRC_PF_DOWN); [] for an
+        instance loaded by an older mrc-xdp (no flags)."""
+        try:
+            mp, down = self._planes_map(), const("MRC_PF_DOWN")
+        except NotLoaded:
+            return []
+        return [bool(ffi.cast("struct mrc_plane *", ffi.from_buffer(mp.lookup(p))).flags & down)
+                for p in range(len(self.state.get("planes", [])))]
+
+    def set_plane_down(self, plane: int, down: bool) -> bool:
+        """Take a plane out of spray's rotation (its EVs unused, their states unchanged; the
+        other planes share its turns) or put it back.  True when the flag changed."""
+        if not 0 <= plane < len(self.state.get("planes", [])):
+            raise KeyError("plane %d is not configured in %s" % (plane, self.name))
+        return set_plane_down(self._planes_map(), plane, down)
+
+
+def set_plane_down(planes, plane: int, down: bool) -> bool:
+    """MRC_PF_DOWN of one mrc_planes entry (planes: the map) set or cleared; True when
+    it changed.  Only the health daemon writes it after load (no lock needed)."""
+    bit = const("MRC_PF_DOWN")
+    p = ffi.new("struct mrc_plane *")
+    ffi.memmove(p, planes.lookup(plane), sizeof("struct mrc_plane"))
+    new = (p.flags | bit) if down else (p.flags & ~bit)
+    if new == p.flags:
+        return False
+    p.flags = new
+    planes.update(plane, to_bytes(p))
+    return True

@@ -190,12 +190,12 @@ def test_concurrent_add_remove(pair):
 
 def _probe_idx(inst, peer):
     """Connection id the QPN 0x2 (connectionless probe) index keys of peer name, per direction."""
-    from mrc_xdp.maps import QPN_PROBE
+    from mrc_xdp.maps import QPN_PROBE, conn_key
     m = conns._Maps(inst)
     try:
         out = []
         for d in (0, 1):
-            v = m["mrc_connidx"].lookup(conns._conn_key(peer, QPN_PROBE, d))
+            v = m["mrc_connidx"].lookup(conn_key(peer, QPN_PROBE, d))
             out.append(None if v is None else int.from_bytes(v, "little"))
         return out
     finally:
