@@ -15,24 +15,13 @@ LOG=/var/log/mrc-xdp-kmatrix-setup.log
 
 say() { printf 'kmatrix-setup: %s\n' "$*"; }
 die() { printf 'kmatrix-setup: error: %s\n' "$*" >&2; exit 1; }
+. scripts/lib.sh
 [ "$(id -u)" -eq 0 ] || die "must run as root (e.g. sudo make kmatrix-setup)"
 
 # QEMU boots the kernels (TCG); virtme-ng's guest needs modprobe (kmod) and a static
 # busybox; file tells virtme-ng a kernel image's version.
 APT_PKGS=(qemu-system-x86 kmod busybox-static file)
-missing=()
-installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PKGS[@]}" 2>/dev/null || true)
-for p in "${APT_PKGS[@]}"; do
-    awk -v p="$p" '$1 == p && $2 == "ii" { found = 1 } END { exit !found }' <<<"$installed" \
-        || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    say "installing apt packages: ${missing[*]}"
-    { apt-get -o DPkg::Lock::Timeout=300 update -q \
-      && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
-             --no-install-recommends "${missing[@]}"; } >"$LOG" 2>&1 \
-        || { tail -n 15 "$LOG" >&2; die "apt-get install ${missing[*]} failed (log: $LOG)"; }
-fi
+apt_ensure -q "$LOG" "${APT_PKGS[@]}"
 
 if [ "$("$VNG_VENV/bin/vng" --version 2>/dev/null)" != "virtme-ng $VNG_VERSION" ]; then
     say "installing virtme-ng $VNG_VERSION into $VNG_VENV (PyPI)"

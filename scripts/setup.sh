@@ -15,6 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+. scripts/lib.sh
 
 [ "$(id -u)" -eq 0 ] || die "must run as root (e.g. sudo make setup): it installs Debian packages and a kernel headers tree"
 command -v dpkg-query >/dev/null && command -v apt-get >/dev/null \
@@ -38,26 +39,7 @@ if [ ! -e "$KBUILD/include/linux/kconfig.h" ]; then
     APT_PKGS+=("linux-headers-$(dpkg --print-architecture)")
 fi
 
-missing=()
-installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PKGS[@]}" 2>/dev/null || true)
-for p in "${APT_PKGS[@]}"; do
-    awk -v p="$p" '$1 == p && $2 == "ii" { found = 1 } END { exit !found }' <<<"$installed" \
-        || missing+=("$p")
-done
-
-if [ ${#missing[@]} -gt 0 ]; then
-    apt_log=/var/log/mrc-xdp-setup-apt.log
-    say "installing apt packages: ${missing[*]}"
-    say "updating package lists (apt-get update)"
-    apt-get -o DPkg::Lock::Timeout=300 update -q >"$apt_log" 2>&1 \
-        || { tail -n 15 "$apt_log" >&2; die "apt-get update failed (log: $apt_log); check the Debian mirror in /etc/apt/sources.list*"; }
-    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
-        --no-install-recommends "${missing[@]}" >>"$apt_log" 2>&1 \
-        || { tail -n 15 "$apt_log" >&2; die "apt-get install failed (log: $apt_log)"; }
-    say "apt packages installed"
-else
-    say "apt packages: all ${#APT_PKGS[@]} present"
-fi
+apt_ensure /var/log/mrc-xdp-setup-apt.log "${APT_PKGS[@]}"
 
 # ---------------------------------------------------------------- kernel headers
 # Prints the tree bcc should use; builds the merged tree under /var/cache/mrc-xdp

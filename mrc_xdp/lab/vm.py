@@ -89,7 +89,7 @@ def image() -> dict:
 
 # What of the checkout goes into the guest (and so, when changed, rebuilds the image):
 # the package, the BPF sources, the set-up, the image recipe.  Tests, tools and docs do not.
-GUEST_PATHS = ("mrc_xdp", "bpf", "scripts/setup.sh", "setup.py", "pyproject.toml",
+GUEST_PATHS = ("mrc_xdp", "bpf", "scripts/setup.sh", "scripts/lib.sh", "setup.py", "pyproject.toml",
                "vagrant/build-image.sh", "vagrant/lab-init", "vagrant/lab-poweroff")
 
 
