@@ -204,7 +204,11 @@ struct mrc_plane {
 	__u8  dmac[6];          /* next hop (T0 port) MAC */
 	__u8  src_addr[16];     /* SRv6: outer source, our locator on this plane */
 	__u8  local_sid[16];    /* SRv6: outer DA of traffic to us; first 48 bits compared */
+	__u32 flags;            /* MRC_PF_*: written at load (0) and by the health daemon */
 };
+/* mrc_plane.flags */
+#define MRC_PF_DOWN          1   /* plane NIC down: spray uses none of the plane's EVs (the
+                                  * other planes share its turns equally); EV states unchanged */
 
 #define MRC_DIR_TX 0   /* key: peer address + the peer's (destination) QPN */
 #define MRC_DIR_RX 1   /* key: peer address + our QPN (feedback and data to us) */
@@ -415,6 +419,9 @@ enum mrc_ctr {
 	MRC_C_ING_PROBE_ANS_UNKNOWN,/* probe answer matching no probe in flight: dropped */
 	MRC_C_EVOP,                 /* EV state set by user space (mrc_evop) */
 	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
+	MRC_C_SPRAY_RTX_LOSS,       /* retransmission of a send no SACK or NACK accounted for
+	                             * (found by the sender's timer): a loss on the EV that
+	                             * carried it */
 	MRC_C_MAX,
 };
 

@@ -213,6 +213,8 @@ def test_spray_srv6_encapsulates(srv6, cid, kind, kw):
     seen = set()
     # enough packets to visit both planes and both T1s
     for i in range(2 * conn.ev_per_plane):
+        if kw.get("rtx"):   # a PSN never sent: no earlier send to blame (test_rtx_loss_*)
+            f = frame_of(kind, LOCAL, conn.peer, conn.remote_qpn, psn=5000 + i, **dict(kw))
         ret, out, d = env.run_counted("spray", f)
         assert ret == XDP_REDIRECT, xdp_name(ret)
         ev = wire.ev_of_frame(out)
