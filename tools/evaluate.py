@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -78,9 +79,15 @@ def footer(fig, text):
     fig.text(0.01, 0.005, text, fontsize=7, color="0.3", ha="left", va="bottom", wrap=True)
 
 
+def bar_labels(ax, bars, vals, dy=0, **kw):
+    """Each bar's value (%.0f) centred over it, dy above its top."""
+    for b_, v in zip(bars, vals):
+        ax.text(b_.get_x() + b_.get_width() / 2, v + dy, "%.0f" % v, ha="center", **kw)
+
+
 # ================================================================== (a) multipath goodput
 
-def part_a(args, out, res):
+def part_a(args, res):
     import bench_transport as bt
     a = argparse.Namespace(rate=args.rate, seconds=2 if args.quick else 4, msg_size=1 << 20,
                            shape="no" if args.quick else "yes")
@@ -90,7 +97,9 @@ def part_a(args, out, res):
     r = o["b"]
     r["seconds"] = a.seconds
     res["a"] = r
-    plt = plt_()
+
+
+def plot_a(plt, r, args):
     names = ["mrc_1qp", "tcp_1flow", "tcp_4flows", "mptcp_2subflows", "mptcp_4subflows"]
     labels = ["MRC, 1 QP", "TCP, 1 flow", "TCP, 4 flows", "MPTCP,\n1 subflow/plane", "MPTCP,\n2x2 mesh"]
     series = []
@@ -104,9 +113,7 @@ def part_a(args, out, res):
     for i, (lab, vals) in enumerate(series):
         xs = [j + i * w for j, v in enumerate(vals) if v is not None]
         vs = [100 * v for v in vals if v is not None]
-        bars = ax.bar(xs, vs, w, label=lab)
-        for b_, v in zip(bars, vs):
-            ax.text(b_.get_x() + b_.get_width() / 2, v + 1, "%.0f" % v, ha="center", fontsize=7)
+        bar_labels(ax, ax.bar(xs, vs, w, label=lab), vs, dy=1, fontsize=7)
     ax.set_xticks([j + w * (len(series) - 1) / 2 for j in range(len(names))])
     ax.set_xticklabels(labels, fontsize=8)
     ax.axhline(100, color="k", ls="--", lw=0.8, label="fabric capacity h0 -> h2")
@@ -115,19 +122,16 @@ def part_a(args, out, res):
     ax.set_title("(a) h0 -> h2 goodput vs fabric capacity %.0f Mbit/s (4 paths x %s)" % (cap / 1e6, args.rate))
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    footer(fig, FOOT % "a")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(os.path.join(out, "a_goodput.png"), dpi=100)
-    plt.close(fig)
+    return fig
 
 
 # ================================================================== (b) failover
 
-def part_b(args, out, res):
+def part_b(args, res):
     import bench_failover as bf
     a = argparse.Namespace(warmup=1.0 if args.quick else 1.5, fault=1.0 if args.quick else 2.0,
                            after=1.0 if args.quick else 1.5, pace=300, note=FOOT % "b")
-    r = bf.run_failover(a, out)
+    r = bf.run_failover(a, args.out)
     r["params"] = {k: v for k, v in vars(a).items() if k != "note"}
     res["b"] = r
 
@@ -220,7 +224,7 @@ def part_c_one_ev(args):
     return out
 
 
-def part_c(args, out, res, lab):
+def part_c(args, res, lab):
     import bench_failover as bf
     import bench_transport as bt
     from mrc_xdp import transport
@@ -285,14 +289,14 @@ def part_c(args, out, res, lab):
         for e in eps.values():
             e.close()
     res["c"] = {"rows": rows, "seconds": secs, "rounds": reps, "one_ev_of_16": res.pop("c_one_ev", None), "mrc_lossy_link": lossy_name}
-    plt = plt_()
-    one = res["c"]["one_ev_of_16"]
+
+
+def plot_c(plt, r, args):
+    rows, one = r["rows"], r["one_ev_of_16"]
     if one:
         fig, (ax, az) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [2, 1]})
         v = [one["no_fault_bps"] / 1e6, one["lossy_bps"] / 1e6]
-        bars = az.bar([0, 1], v, color=["C0", "C3"])
-        for b_, x in zip(bars, v):
-            az.text(b_.get_x() + b_.get_width() / 2, x, "%.0f" % x, ha="center", va="bottom", fontsize=8)
+        bar_labels(az, az.bar([0, 1], v, color=["C0", "C3"]), v, va="bottom", fontsize=8)
         az.set_xticks([0, 1])
         az.set_xticklabels(["no fault", "20% loss on\nthe path of 1 EV"], fontsize=8)
         az.set_ylabel("MRC goodput, Mbit/s (median of %d rounds)" % one["rounds"])
@@ -317,10 +321,7 @@ def part_c(args, out, res, lab):
     ax.set_title("(c) goodput vs loss on one path, h0 -> h2 (ecmp lab); labels: Mbit/s", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    footer(fig, FOOT % "c")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(os.path.join(out, "c_loss.png"), dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def tcp_on_lossy_path(lab, ups, server_ns, client_ns, dst, seconds, port, ppm):
@@ -584,7 +585,7 @@ def run_allreduce(lab, transport_, count, iters, chunk, flap=None):
                 p.wait()
 
 
-def part_d(args, out, res, lab):
+def part_d(args, res, lab):
     import statistics
     count = (256 << 10) if args.quick else (1 << 20)       # float32 per host: 1 MiB / 4 MiB
     iters = 4 if args.quick else 16
@@ -615,18 +616,19 @@ def part_d(args, out, res, lab):
         tot = sum(x["t1_bytes"].values())
         x["flap_t1_share"] = x["t1_bytes"].get(flap_t1, 0) / tot if tot else 0.0
     res["d"] = r
-    plt = plt_()
+
+
+def plot_d(plt, r, args):
+    iters, flap_t1, down_s, up_s = r["iters"], r["flap_t1"], r["flap_down_s"], r["flap_up_s"]
     fig, (ax, az) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 1.4]})
     keys = ["mrc_healthy", "tcp_healthy", "mrc_flap", "tcp_flap"]
     labs = ["MRC\nhealthy", "TCP\nhealthy", "MRC\nT1 flapping", "TCP\nT1 flapping"]
     med = [1e3 * r["runs"][k]["median_s"] for k in keys]
-    bars = ax.bar(range(4), med, color=["C0", "C1", "C0", "C1"])
-    for b_, v in zip(bars, med):
-        ax.text(b_.get_x() + b_.get_width() / 2, v, "%.0f" % v, ha="center", va="bottom", fontsize=8)
+    bar_labels(ax, ax.bar(range(4), med, color=["C0", "C1", "C0", "C1"]), med, va="bottom", fontsize=8)
     ax.set_xticks(range(4))
     ax.set_xticklabels(labs, fontsize=8)
     ax.set_ylabel("ms per all-reduce (median)")
-    ax.set_title("(d) ring all-reduce, 4 hosts, %d MiB float32 each" % (count * 4 >> 20), fontsize=9)
+    ax.set_title("(d) ring all-reduce, 4 hosts, %d MiB float32 each" % (r["bytes"] >> 20), fontsize=9)
     for k, c, ls in (("mrc_healthy", "C0", "-"), ("tcp_healthy", "C1", "-"), ("mrc_flap", "C0", "--"),
                      ("tcp_flap", "C1", "--")):
         az.plot(range(1, iters + 1), [1e3 * v for v in r["runs"][k]["per_iter_s"]], ls, color=c, marker=".",
@@ -639,15 +641,12 @@ def part_d(args, out, res, lab):
     az.legend(fontsize=8)
     for a_ in (ax, az):
         a_.grid(alpha=0.3)
-    footer(fig, FOOT % "d")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(os.path.join(out, "d_allreduce.png"), dpi=100)
-    plt.close(fig)
+    return fig
 
 
 # ================================================================== (e) datapath cost
 
-def part_e(args, out, res):
+def part_e(args, res):
     argv = [sys.executable, os.path.join(ROOT, "tools", "bench_xdp.py"), "--json", "--no-budget"]
     argv += ["--repeat", "20000", "--rounds", "1"] if args.quick else ["--repeat", "200000", "--rounds", "5"]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=900)
@@ -656,7 +655,9 @@ def part_e(args, out, res):
     s = json.loads(p.stdout)
     s["argv"] = " ".join(argv[1:]).replace(ROOT + "/", "")
     res["e"] = s
-    plt = plt_()
+
+
+def plot_e(plt, s, args):
     cases = s["cases"]
     fig, ax = plt.subplots(figsize=(10, 6))
     names = [c["name"] for c in cases][::-1]
@@ -675,10 +676,7 @@ def part_e(args, out, res):
     ax.set_title("(e) datapath cost per packet vs XDP_PASS and a bare forwarder (grey)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
-    footer(fig, FOOT % "e")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(os.path.join(out, "e_xdp.png"), dpi=100)
-    plt.close(fig)
+    return fig
 
 
 # ================================================================== report
@@ -751,7 +749,6 @@ def headline(res) -> list[str]:
 
 
 def report(res, mach, args, out, parts, elapsed):
-    import statistics
     L = []
     w = L.append
     w("# mrc-xdp evaluation report")
@@ -786,162 +783,15 @@ def report(res, mach, args, out, parts, elapsed):
     def where(k):
         return "Measured on %s CPUs, kernel %s, load average %s when the part started; rerun: `%s`." % (
             mach["cpus"], mach["kernel"], load.get(k, "?"), RERUN[k])
-    if "a" in res:
-        r = res["a"]
-        w("## (a) Multipath goodput vs fabric capacity")
-        w("")
-        w("![a](a_goodput.png)")
-        w("")
-        w("h0 -> h2 in the default lab (2 planes x 2 T1s: 4 paths). The link model limits T0-T1 links to %s and host "
-          "links to twice that, so the capacity is 4 x %s. One MRC QP (`mrc-xdp write-bw`, 1 MiB writes, %d s) in ecmp "
-          "and srv6 mode; in ecmp mode also one TCP flow and 4 TCP flows (iperf3), MPTCP with one subflow per plane "
-          "and a 2 x 2 full mesh, over the lab's control path (the T0s hash flows over T1s). 'linkmodel+tbf' adds "
-          "a real tbf queue at each link's rate, which TCP's ACK clock needs (the link model's phantom queue marks, "
-          "trims and drops but never delays). Goodput measured at the receiver (tools/bench_transport.py part (b))."
-          % (args.rate, args.rate, r["seconds"]))
-        w("")
-        w("| mode, links | transport | goodput | of capacity |")
-        w("|---|---|---|---|")
-        for mode in ("ecmp", "srv6"):
-            for cfg in ("linkmodel", "linkmodel+tbf"):
-                for k, v in r.get(mode, {}).get(cfg, {}).items():
-                    if "bps" in v:
-                        w("| %s, %s | %s | %s | %.0f%% |" % (mode, cfg, k, mb(v["bps"]), 100 * v["fraction"]))
-                    else:
-                        w("| %s, %s | %s | failed: %s | |" % (mode, cfg, k, v.get("error", "?")[-100:]))
-        w("")
-        w(where("a"))
-        w("")
-    if "b" in res:
-        r = res["b"]
-        w("## (b) Failover: a T1 blackholed, then healed")
-        w("")
-        w("![b](failover.png)")
-        w("")
-        w("One ecmp lab run: one MRC QP h0 -> h2 (Writes kept in flight), one TCP flow h1 -> h3 and one MPTCP "
-          "connection h3 -> h1 (a subflow per plane; TCP and MPTCP paced to 300 Mbit/s so Python senders do "
-          "not starve the engine of CPU). After %.1f s the plane-0 T1 carrying the TCP flow (%s) is blackholed "
-          "(every link end into and out of it) for %.1f s, then healed. Goodput sampled every 100 us at the "
-          "receivers (tools/bench_failover.py scenario 1; time series in failover.csv)."
-          % (r["params"]["warmup"], r["t1"], r["params"]["fault"]))
-        w("")
-        w("| flow | goodput before | first 10 ms after the fault | loss detected | back to 90% (from the fault) | "
-          "retransmitted | EVs |")
-        w("|---|---|---|---|---|---|---|")
-        for name, f in r["flows"].items():
-            ev = ""
-            if name == "mrc":
-                ev = "%d retired; back in service %s after the heal" % (
-                    f["evs_retired"], ms(f["back_after_heal_s"]) if f["prober"] else "n/a (no prober)")
-            w("| %s | %s | %s | %s | %s | %d B | %s |" % (
-                name.upper(), mb(f["goodput_before_bps"]), mb(f["goodput_first_10ms_bps"] or 0), ms(f["detect_s"]),
-                ms(f["recover_from_fault_s"]), f["bytes_retransmitted"], ev))
-        w("")
-        w(where("b"))
-        w("")
-    if "c" in res:
-        r = res["c"]
-        w("## (c) Goodput vs loss on one path")
-        w("")
-        w("![c](c_loss.png)")
-        w("")
-        w("Random loss injected by the link model on one T0 -> T1 link of plane 0 (one of h0 -> h2's 4 paths), "
-          "%.0f s per level and round, %d interleaved rounds (medians; MRC's row is its median round), ecmp lab, health daemon running (its probes bring retired EVs back between levels). "
-          "MRC: one QP h0 -> h2 whose EVs spread over the 4 paths, loss on %s. TCP: one iperf3 flow h0 -> h2 "
-          "(plane 0 control addresses); its T0 -> T1 uplink follows the socket's random hash, so it is found from "
-          "the link-model counters during the flow's first 2 s (omitted by iperf3 -O 2) and the loss put there for "
-          "the measured %.0f s: the flow always faces the loss on its only path, the case multipath exists for. "
-          "No rate limits: goodput is what the CPUs allow." % (r["seconds"], r["rounds"], r["mrc_lossy_link"], r["seconds"]))
-        w("")
-        one = r.get("one_ev_of_16")
-        if one:
-            w("Right panel: tools/bench_failover.py scenario 2 in its own srv6 lab: one QP whose 16 active EVs are "
-              "placed explicitly (7 on plane 0 T1 0, 1 on plane 0 T1 1, 8 over plane 1), 20%% loss on the link into "
-              "plane 0 T1 1, so on the path of 1 EV of 16; %d interleaved rounds of %.1f s with and without the "
-              "loss, a fresh connection each: median goodput %s without, %s with the loss, median ratio %.0f%%."
-              % (one["rounds"], one["seconds"], mb(one["no_fault_bps"]), mb(one["lossy_bps"]), 100 * one["median_ratio"]))
+    for k, part in PARTS.items():
+        if k in res:
+            w("## (%s) %s" % (k, part.title))
             w("")
-        sh = [x["tcp_uplink_share"] for row in r["rows"] for x in row["runs"]]
-        sh2 = [x["tcp_uplink_share_during"] for row in r["rows"] for x in row["runs"] if row["loss"] > 0]
-        w("In every TCP run the uplink that got the loss carried at least %.0f%% of the flow's bytes on h0's "
-          "plane-0 T0 uplinks while it was being found, and at least %.0f%% while the loss was on (the flow did "
-          "not move to the other T1); the link model dropped %s packets of it at 0.1%% / 1%% / 20%% (median)." % (
-              100 * min(sh), 100 * min(sh2 or [0]), " / ".join(
-                  "%d" % statistics.median(x["tcp_drops"] for x in row["runs"]) for row in r["rows"][1:])))
-        w("")
-        w("Reading it: with sub-millisecond RTTs and no rate limit the CPUs, not the paths, limit both transports, "
-          "so MRC's figures move with the machine's load more than with the loss (it retransmits what was lost and "
-          "retires the lossy path's EVs); TCP's window recovers within microseconds here, and it loses most when a "
-          "retransmission is lost too and it waits for a retransmission timeout (200 ms minimum), so its figures "
-          "swing between runs.")
-        w("")
-        w("| loss | MRC goodput | MRC retransmitted pkts | EVs retired at the end | TCP goodput |")
-        w("|---|---|---|---|---|")
-        for x in r["rows"]:
-            w("| %g%% | %s (%.0f%%) | %d of %d | %d | %s (%.0f%%) |" % (
-                100 * x["loss"], mb(x["mrc_bps"]), 100 * x["mrc_bps"] / max(r["rows"][0]["mrc_bps"], 1),
-                x["mrc_rtx_pkts"], x["mrc_tx_pkts"], x["mrc_evs_retired_after"], mb(x["tcp_bps"]),
-                100 * x["tcp_bps"] / max(r["rows"][0]["tcp_bps"], 1)))
-        w("")
-        w(where("c"))
-        w("")
-    if "d" in res:
-        r = res["d"]
-        w("## (d) Ring all-reduce among the 4 hosts")
-        w("")
-        w("![d](d_allreduce.png)")
-        w("")
-        w("Every host holds %d float32 (%d MiB; integers, so the sum is exact) and all hold the element-wise sum "
-          "at the end: a ring all-reduce (3 reduce-scatter steps adding the received segment with numpy, 3 "
-          "all-gather steps), segments sent in fixed %d KiB chunks, %d iterations, the result checked against "
-          "numpy's sum every iteration. Over MRC each host is a process with an Endpoint on its lab instance and "
-          "two QPs (to the next host, from the previous one) whose attributes and MRs are exchanged through "
-          "mrc_xdp.bootstrap over the lab's control path; chunks are RDMA Writes with Immediate into a staging "
-          "region of the next host. Over TCP the same processes use one socket to each ring neighbour (plane 0 "
-          "control addresses). Time per iteration is the slowest host's. Flapping: %s (the plane-0 T1 that "
-          "carried most of the healthy TCP ring; each TCP run's connections hash anew, the table says how much "
-          "crossed it) blackholed %.0f ms of every %.0f ms by the link model; the "
-          "health daemon runs throughout."
-          % (r["floats"], r["bytes"] >> 20, r["chunk"] >> 10, r["iters"], r["flap_t1"], 1e3 * r["flap_down_s"],
-             1e3 * (r["flap_down_s"] + r["flap_up_s"])))
-        w("")
-        w("| run | median per iteration | min | max | result verified | flaps during the run | "
-          "plane-0 T1 bytes through %s |" % r["flap_t1"])
-        w("|---|---|---|---|---|---|---|")
-        for k in ("mrc_healthy", "tcp_healthy", "mrc_flap", "tcp_flap"):
-            x = r["runs"][k]
-            w("| %s | %.1f ms | %.1f ms | %.1f ms | %s | %d | %.0f%% |" % (
-                k.replace("_", ", "), 1e3 * x["median_s"], 1e3 * min(x["per_iter_s"]), 1e3 * max(x["per_iter_s"]),
-                "yes" if x["verified"] else "NO", x["flaps"], 100 * x["flap_t1_share"]))
-        w("")
-        fl = [k for k in ("mrc_flap", "tcp_flap") if r["runs"][k]["flap_t1_share"] < 0.05]
-        if fl:
-            w("The last column: in %s almost none of the plane-0 T1 traffic crossed the flapping T1 (MRC retires "
-              "its EVs there at the first blackhole; a TCP run's new connections hash anew, and may avoid it from "
-              "the start), so those figures say more about the machine's load during the run than about the flap. "
-              "The runs follow one another on a shared machine: compare min and max before reading a difference."
-              % " and ".join(k.replace("_", ", ") for k in fl))
+            w("![%s](%s)" % (k, part.png))
             w("")
-        w(where("d"))
-        w("")
-    if "e" in res:
-        s = res["e"]
-        w("## (e) Datapath cost per packet")
-        w("")
-        w("![e](e_xdp.png)")
-        w("")
-        w("The real XDP programs (bpf/mrc_datapath.c, ecmp and srv6 builds) timed with BPF_PROG_TEST_RUN, repeat %d, "
-          "%d round(s), interleaved with an empty XDP_PASS program (baseline %.1f ns) and a bare forwarder "
-          "(parse, connection lookup, one fixed EV, rewrite, redirect); tools/bench_xdp.py. CPU %s, JIT %s."
-          % (s["repeat"], s["rounds"], s["baseline"]["ns"], s["system"]["cpu"], s["system"]["jit"]))
-        w("")
-        w("| case | ns/packet | x XDP_PASS | x bare forwarder |")
-        w("|---|---|---|---|")
-        for c in s["cases"]:
-            w("| %s | %.1f | %.2f | %.2f |" % (c["name"], c["ns"], c["ratio"], c["ratio_fwd"]))
-        w("")
-        w(where("e"))
-        w("")
+            part.section(w, res[k], args)
+            w(where(k))
+            w("")
     with open(os.path.join(out, "REPORT.md"), "w") as f:
         f.write("\n".join(L))
     with open(os.path.join(out, "results.json"), "w") as f:
@@ -950,6 +800,182 @@ def report(res, mach, args, out, parts, elapsed):
 
 
 RERUN = {k: "sudo .venv/bin/python tools/evaluate.py --only %s --out results" % k for k in "abcde"}
+
+
+# ================================================================== the parts' report sections, the parts
+
+def section_a(w, r, args):
+    """The body of section (a) of REPORT.md."""
+    w("h0 -> h2 in the default lab (2 planes x 2 T1s: 4 paths). The link model limits T0-T1 links to %s and host "
+      "links to twice that, so the capacity is 4 x %s. One MRC QP (`mrc-xdp write-bw`, 1 MiB writes, %d s) in ecmp "
+      "and srv6 mode; in ecmp mode also one TCP flow and 4 TCP flows (iperf3), MPTCP with one subflow per plane "
+      "and a 2 x 2 full mesh, over the lab's control path (the T0s hash flows over T1s). 'linkmodel+tbf' adds "
+      "a real tbf queue at each link's rate, which TCP's ACK clock needs (the link model's phantom queue marks, "
+      "trims and drops but never delays). Goodput measured at the receiver (tools/bench_transport.py part (b))."
+      % (args.rate, args.rate, r["seconds"]))
+    w("")
+    w("| mode, links | transport | goodput | of capacity |")
+    w("|---|---|---|---|")
+    for mode in ("ecmp", "srv6"):
+        for cfg in ("linkmodel", "linkmodel+tbf"):
+            for k, v in r.get(mode, {}).get(cfg, {}).items():
+                if "bps" in v:
+                    w("| %s, %s | %s | %s | %.0f%% |" % (mode, cfg, k, mb(v["bps"]), 100 * v["fraction"]))
+                else:
+                    w("| %s, %s | %s | failed: %s | |" % (mode, cfg, k, v.get("error", "?")[-100:]))
+    w("")
+
+
+def section_b(w, r, args):
+    """The body of section (b) of REPORT.md."""
+    w("One ecmp lab run: one MRC QP h0 -> h2 (Writes kept in flight), one TCP flow h1 -> h3 and one MPTCP "
+      "connection h3 -> h1 (a subflow per plane; TCP and MPTCP paced to 300 Mbit/s so Python senders do "
+      "not starve the engine of CPU). After %.1f s the plane-0 T1 carrying the TCP flow (%s) is blackholed "
+      "(every link end into and out of it) for %.1f s, then healed. Goodput sampled every 100 us at the "
+      "receivers (tools/bench_failover.py scenario 1; time series in failover.csv)."
+      % (r["params"]["warmup"], r["t1"], r["params"]["fault"]))
+    w("")
+    w("| flow | goodput before | first 10 ms after the fault | loss detected | back to 90% (from the fault) | "
+      "retransmitted | EVs |")
+    w("|---|---|---|---|---|---|---|")
+    for name, f in r["flows"].items():
+        ev = ""
+        if name == "mrc":
+            ev = "%d retired; back in service %s after the heal" % (
+                f["evs_retired"], ms(f["back_after_heal_s"]) if f["prober"] else "n/a (no prober)")
+        w("| %s | %s | %s | %s | %s | %d B | %s |" % (
+            name.upper(), mb(f["goodput_before_bps"]), mb(f["goodput_first_10ms_bps"] or 0), ms(f["detect_s"]),
+            ms(f["recover_from_fault_s"]), f["bytes_retransmitted"], ev))
+    w("")
+
+
+def section_c(w, r, args):
+    """The body of section (c) of REPORT.md."""
+    import statistics
+    w("Random loss injected by the link model on one T0 -> T1 link of plane 0 (one of h0 -> h2's 4 paths), "
+      "%.0f s per level and round, %d interleaved rounds (medians; MRC's row is its median round), ecmp lab, health daemon running (its probes bring retired EVs back between levels). "
+      "MRC: one QP h0 -> h2 whose EVs spread over the 4 paths, loss on %s. TCP: one iperf3 flow h0 -> h2 "
+      "(plane 0 control addresses); its T0 -> T1 uplink follows the socket's random hash, so it is found from "
+      "the link-model counters during the flow's first 2 s (omitted by iperf3 -O 2) and the loss put there for "
+      "the measured %.0f s: the flow always faces the loss on its only path, the case multipath exists for. "
+      "No rate limits: goodput is what the CPUs allow." % (r["seconds"], r["rounds"], r["mrc_lossy_link"], r["seconds"]))
+    w("")
+    one = r.get("one_ev_of_16")
+    if one:
+        w("Right panel: tools/bench_failover.py scenario 2 in its own srv6 lab: one QP whose 16 active EVs are "
+          "placed explicitly (7 on plane 0 T1 0, 1 on plane 0 T1 1, 8 over plane 1), 20%% loss on the link into "
+          "plane 0 T1 1, so on the path of 1 EV of 16; %d interleaved rounds of %.1f s with and without the "
+          "loss, a fresh connection each: median goodput %s without, %s with the loss, median ratio %.0f%%."
+          % (one["rounds"], one["seconds"], mb(one["no_fault_bps"]), mb(one["lossy_bps"]), 100 * one["median_ratio"]))
+        w("")
+    sh = [x["tcp_uplink_share"] for row in r["rows"] for x in row["runs"]]
+    sh2 = [x["tcp_uplink_share_during"] for row in r["rows"] for x in row["runs"] if row["loss"] > 0]
+    w("In every TCP run the uplink that got the loss carried at least %.0f%% of the flow's bytes on h0's "
+      "plane-0 T0 uplinks while it was being found, and at least %.0f%% while the loss was on (the flow did "
+      "not move to the other T1); the link model dropped %s packets of it at 0.1%% / 1%% / 20%% (median)." % (
+          100 * min(sh), 100 * min(sh2 or [0]), " / ".join(
+              "%d" % statistics.median(x["tcp_drops"] for x in row["runs"]) for row in r["rows"][1:])))
+    w("")
+    w("Reading it: with sub-millisecond RTTs and no rate limit the CPUs, not the paths, limit both transports, "
+      "so MRC's figures move with the machine's load more than with the loss (it retransmits what was lost and "
+      "retires the lossy path's EVs); TCP's window recovers within microseconds here, and it loses most when a "
+      "retransmission is lost too and it waits for a retransmission timeout (200 ms minimum), so its figures "
+      "swing between runs.")
+    w("")
+    w("| loss | MRC goodput | MRC retransmitted pkts | EVs retired at the end | TCP goodput |")
+    w("|---|---|---|---|---|")
+    for x in r["rows"]:
+        w("| %g%% | %s (%.0f%%) | %d of %d | %d | %s (%.0f%%) |" % (
+            100 * x["loss"], mb(x["mrc_bps"]), 100 * x["mrc_bps"] / max(r["rows"][0]["mrc_bps"], 1),
+            x["mrc_rtx_pkts"], x["mrc_tx_pkts"], x["mrc_evs_retired_after"], mb(x["tcp_bps"]),
+            100 * x["tcp_bps"] / max(r["rows"][0]["tcp_bps"], 1)))
+    w("")
+
+
+def section_d(w, r, args):
+    """The body of section (d) of REPORT.md."""
+    w("Every host holds %d float32 (%d MiB; integers, so the sum is exact) and all hold the element-wise sum "
+      "at the end: a ring all-reduce (3 reduce-scatter steps adding the received segment with numpy, 3 "
+      "all-gather steps), segments sent in fixed %d KiB chunks, %d iterations, the result checked against "
+      "numpy's sum every iteration. Over MRC each host is a process with an Endpoint on its lab instance and "
+      "two QPs (to the next host, from the previous one) whose attributes and MRs are exchanged through "
+      "mrc_xdp.bootstrap over the lab's control path; chunks are RDMA Writes with Immediate into a staging "
+      "region of the next host. Over TCP the same processes use one socket to each ring neighbour (plane 0 "
+      "control addresses). Time per iteration is the slowest host's. Flapping: %s (the plane-0 T1 that "
+      "carried most of the healthy TCP ring; each TCP run's connections hash anew, the table says how much "
+      "crossed it) blackholed %.0f ms of every %.0f ms by the link model; the "
+      "health daemon runs throughout."
+      % (r["floats"], r["bytes"] >> 20, r["chunk"] >> 10, r["iters"], r["flap_t1"], 1e3 * r["flap_down_s"],
+         1e3 * (r["flap_down_s"] + r["flap_up_s"])))
+    w("")
+    w("| run | median per iteration | min | max | result verified | flaps during the run | "
+      "plane-0 T1 bytes through %s |" % r["flap_t1"])
+    w("|---|---|---|---|---|---|---|")
+    for k in ("mrc_healthy", "tcp_healthy", "mrc_flap", "tcp_flap"):
+        x = r["runs"][k]
+        w("| %s | %.1f ms | %.1f ms | %.1f ms | %s | %d | %.0f%% |" % (
+            k.replace("_", ", "), 1e3 * x["median_s"], 1e3 * min(x["per_iter_s"]), 1e3 * max(x["per_iter_s"]),
+            "yes" if x["verified"] else "NO", x["flaps"], 100 * x["flap_t1_share"]))
+    w("")
+    fl = [k for k in ("mrc_flap", "tcp_flap") if r["runs"][k]["flap_t1_share"] < 0.05]
+    if fl:
+        w("The last column: in %s almost none of the plane-0 T1 traffic crossed the flapping T1 (MRC retires "
+          "its EVs there at the first blackhole; a TCP run's new connections hash anew, and may avoid it from "
+          "the start), so those figures say more about the machine's load during the run than about the flap. "
+          "The runs follow one another on a shared machine: compare min and max before reading a difference."
+          % " and ".join(k.replace("_", ", ") for k in fl))
+        w("")
+
+
+def section_e(w, s, args):
+    """The body of section (e) of REPORT.md."""
+    w("The real XDP programs (bpf/mrc_datapath.c, ecmp and srv6 builds) timed with BPF_PROG_TEST_RUN, repeat %d, "
+      "%d round(s), interleaved with an empty XDP_PASS program (baseline %.1f ns) and a bare forwarder "
+      "(parse, connection lookup, one fixed EV, rewrite, redirect); tools/bench_xdp.py. CPU %s, JIT %s."
+      % (s["repeat"], s["rounds"], s["baseline"]["ns"], s["system"]["cpu"], s["system"]["jit"]))
+    w("")
+    w("| case | ns/packet | x XDP_PASS | x bare forwarder |")
+    w("|---|---|---|---|")
+    for c in s["cases"]:
+        w("| %s | %.1f | %.2f | %.2f |" % (c["name"], c["ns"], c["ratio"], c["ratio_fwd"]))
+    w("")
+
+
+class Part(typing.NamedTuple):
+    """One part of the evaluation, in the common scaffolding of main() and report():
+    run(args, res[, lab]) measures and records res[k]; plot(plt, res[k], args) returns
+    its figure, which gets the common footer and is saved as png (None: the part's tool
+    draws png itself); section(w, res[k], args) writes its report section between the
+    common heading (title, png) and the common 'measured on ..., rerun' line."""
+    title: str
+    png: str
+    run: typing.Callable
+    plot: typing.Callable | None
+    section: typing.Callable
+    lab: bool = False         # runs on the lab shared by (c) and (d)
+
+
+PARTS = {
+    "a": Part("Multipath goodput vs fabric capacity", "a_goodput.png", part_a, plot_a, section_a),
+    "b": Part("Failover: a T1 blackholed, then healed", "failover.png", part_b, None, section_b),
+    "c": Part("Goodput vs loss on one path", "c_loss.png", part_c, plot_c, section_c, lab=True),
+    "d": Part("Ring all-reduce among the 4 hosts", "d_allreduce.png", part_d, plot_d, section_d, lab=True),
+    "e": Part("Datapath cost per packet", "e_xdp.png", part_e, plot_e, section_e),
+}
+
+
+def plot(k: str, res: dict, args) -> None:
+    """Part k's figure of res[k], with the common footer (machine, how to rerun), into
+    args.out as its PNG."""
+    part = PARTS[k]
+    if part.plot is None:
+        return
+    plt = plt_()
+    fig = part.plot(plt, res[k], args)
+    footer(fig, FOOT % k)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(os.path.join(args.out, part.png), dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -1006,13 +1032,14 @@ def main(argv=None) -> int:
                         res["c_one_ev"] = part_c_one_ev(args)
                     except (RuntimeError, OSError, ValueError) as e:
                         log("(c) 1 EV of 16: FAILED: %s" % str(e).strip().splitlines()[-1:])
-                if p in "cd":
+                if PARTS[p].lab:
                     if lab is None:
                         lab = Lab()
                         lab.__enter__()
-                    (part_c if p == "c" else part_d)(args, args.out, res, lab)
+                    PARTS[p].run(args, res, lab)
                 else:
-                    {"a": part_a, "b": part_b, "e": part_e}[p](args, args.out, res)
+                    PARTS[p].run(args, res)
+                plot(p, res, args)
             except (RuntimeError, OSError, ValueError) as e:
                 msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 log("(%s) FAILED: %s" % (p, msg))
