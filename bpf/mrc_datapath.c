@@ -100,56 +100,6 @@ static __always_inline void set_tc(struct ipv6hdr *ip6, __u8 tc)
 
 /* ------------------------------------------------------------------ spray */
 
-/* One loss on EV ev of connection cid: counted (globally, per EV), and the EV is retired
- * once it has loss_thresh losses since it last delivered (ingress resets the count).
- * replace = 0 (spray): only the state changes; the rotation swaps a backup in when it
- * meets the retired EV in its active slot (MRC_C_SPRAY_SWAP), which keeps spray small
- * for the verifier. */
-static __always_inline void ev_loss(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
-				    __u32 ev, __u32 ctr, __u8 reason, int replace)
-{
-	struct mrc_evidx_key key = { .conn = cid, .ev = ev };
-	struct mrc_ev_ctr *ec;
-	struct mrc_ev *e;
-	__u32 *slotp, slot;
-
-	slotp = mrc_evidx.lookup(&key);
-	if (!slotp)
-		return;
-	slot = *slotp;
-	e = ev_at(cid, slot);
-	if (!e)
-		return;
-	ctr_inc(ctr);
-	ec = evctr_of(cid, e);
-	if (ec)
-		ec->loss++;
-	e->losses++;
-	if (e->losses < cfg->loss_thresh)
-		return;
-	if (replace) {
-		ev_retire(cid, c, slot, e, reason);   /* only a GOOD or SKIP EV */
-	} else if (e->state == MRC_EV_GOOD || e->state == MRC_EV_SKIP) {
-		ev_set(cid, slot, e, MRC_EV_ASSUMED_BAD, reason);
-		ctr_inc(MRC_C_ING_FB_BAD);
-	}
-}
-
-/* A retransmission of psn whose last send is still VALID in the PSN ring (ingress
- * flags LOST what a SACK bitmap blamed and what a NACK TRIMMED accounted for): the
- * sender found it lost by its timer.  Blame the EV that carried it, once. */
-static __always_inline void rtx_loss(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
-				     __u32 psn)
-{
-	__u32 k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
-	struct mrc_psn_ent *pe = mrc_psn.lookup(&k);
-
-	if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
-		return;
-	pe->flags |= MRC_PSNF_LOST;
-	ev_loss(cid, c, cfg, pe->ev, MRC_C_SPRAY_RTX_LOSS, MRC_R_RTX_LOSS, 0);
-}
-
 int mrc_spray(struct xdp_md *ctx)
 {
 	struct mrc_config *cfg = cfg_get();
@@ -189,11 +139,6 @@ int mrc_spray(struct xdp_md *ctx)
 		if (!e)
 			return XDP_DROP;
 	} else {
-		/* Before choosing an EV for a retransmission: a send that no SACK bitmap and
-		 * no NACK accounted for (the sender's timer found it) is a loss on the EV
-		 * that carried it, so that EV is retired first and not chosen again. */
-		if ((p.b8 & MRC_BTH_B8_RTX) && mrc_is_data(p.opcode))
-			rtx_loss(cid, c, cfg, p.psn);
 		rot = ev_select(cid, c, cfg->nplanes);
 		if (!rot) {
 			ctr_inc(MRC_C_SPRAY_NO_EV);
@@ -352,8 +297,11 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 					__u32 cack, __u32 base, __u64 bitmap, __u32 hb, __u32 ack_seq)
 {
 	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, k, psn;
+	__u32 nlost = 0, i, k, psn, slot, *slotp;
+	struct mrc_evidx_key key = { .conn = cid };
 	struct mrc_psn_ent *pe;
+	struct mrc_ev_ctr *ec;
+	struct mrc_ev *e;
 
 	if (!bitmap)
 		return;
@@ -381,7 +329,21 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 	for (i = 0; i < MRC_LOSS_BATCH; i++) {
 		if (i >= nlost)
 			break;
-		ev_loss(cid, c, cfg, lost_ev[i], MRC_C_ING_LOSS, MRC_R_LOSS, 1);
+		key.ev = lost_ev[i];
+		slotp = mrc_evidx.lookup(&key);
+		if (!slotp)
+			continue;
+		slot = *slotp;
+		e = ev_at(cid, slot);
+		if (!e)
+			continue;
+		ctr_inc(MRC_C_ING_LOSS);
+		ec = evctr_of(cid, e);
+		if (ec)
+			ec->loss++;
+		e->losses++;
+		if (e->losses >= cfg->loss_thresh)
+			ev_retire(cid, c, slot, e, MRC_R_LOSS);   /* only a GOOD or SKIP EV */
 	}
 }
 

@@ -117,8 +117,6 @@ enum mrc_ev_reason {
 	MRC_R_LINK_DOWN   = 9,   /* the plane NIC went down (daemon) */
 	MRC_R_LINK_UP     = 10,  /* the plane NIC came back up (daemon) */
 	MRC_R_PROBE_FAIL  = 11,  /* background probes of a GOOD EV went unanswered (daemon) */
-	MRC_R_RTX_LOSS    = 12,  /* the sender retransmitted a send that no SACK had blamed
-	                          * (a loss found by its retransmission timer) */
 };
 
 /* Operator / daemon EV change, run by user space through BPF_PROG_TEST_RUN of mrc_evop
@@ -419,9 +417,6 @@ enum mrc_ctr {
 	MRC_C_ING_PROBE_ANS_UNKNOWN,/* probe answer matching no probe in flight: dropped */
 	MRC_C_EVOP,                 /* EV state set by user space (mrc_evop) */
 	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
-	MRC_C_SPRAY_RTX_LOSS,       /* retransmission of a send no SACK or NACK accounted for
-	                             * (found by the sender's timer): a loss on the EV that
-	                             * carried it */
 	MRC_C_MAX,
 };
 

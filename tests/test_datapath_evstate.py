@@ -531,51 +531,6 @@ def test_loss_not_blamed_on_the_retransmission_ev(ecmp):
     assert env.state(CONN_A, rtx_ev) == EvState.ASSUMED_BAD
 
 
-def test_rtx_loss_found_by_the_timer_retires_its_ev(ecmp):
-    """A retransmission of a send that no SACK bitmap and no NACK accounted for (the
-    sender's RTO found it) is a loss on the EV that carried it: counted, the EV retired
-    (reason RTX_LOSS) before the retransmission picks its EV, so it goes out elsewhere."""
-    env = ecmp
-    carried = _spray_psns(env)
-    x = carried[PSN0]
-    ret, out, d = env.run_counted("spray", data(PSN0, rtx=True))
-    assert ret == XDP_REDIRECT
-    assert d["spray_rtx_loss"] == 1 and d["ing_fb_bad"] == 1
-    assert env.state(CONN_A, x) == EvState.ASSUMED_BAD
-    assert env.ev(CONN_A, x).reason == EvReason.RTX_LOSS
-    assert wire.ev_of_frame(out) != x
-    pe = env.psn_entry(CONN_A, PSN0)      # the ring now names the retransmission's EV
-    assert (pe.ev, pe.flags) == (wire.ev_of_frame(out), const("MRC_PSNF_VALID"))
-    # the rotation swaps a backup into x's slot when it meets it; x is never used again
-    assert x not in env.spray_evs(2 * ACTIVE_MAX, psn0=PSN0 + 2 * NPSN)
-    assert env.slot_of(CONN_A, x) >= ACTIVE_MAX     # now a backup, to be probed
-
-
-def test_rtx_loss_counted_once_and_never_for_accounted_sends(ecmp):
-    """A send already blamed by a SACK bitmap, or NACKed as trimmed, is not blamed again
-    when it is retransmitted; nor is a PSN never sent (or gone from the ring)."""
-    env = ecmp
-    carried = _spray_psns(env)
-    # PSN0 lost per SACK bitmap (ing_loss), then retransmitted: no second count
-    d = _fb(env, "sack", carried[PSN0 + NPSN - 1], cack_psn=PSN0, bitmap=_sack_bitmap([0]))
-    assert d["ing_loss"] == 1
-    ret, out, d = env.run_counted("spray", data(PSN0, rtx=True))
-    assert ret == XDP_REDIRECT and "spray_rtx_loss" not in d
-    # PSN0+1 trimmed (NACK TRIMMED: skip once, not a loss), then retransmitted
-    y = carried[PSN0 + 1]
-    d = _fb(env, "nack", y, nack_psn=PSN0 + 1)
-    ret, out, d = env.run_counted("spray", data(PSN0 + 1, rtx=True))
-    assert "spray_rtx_loss" not in d
-    if y != carried[PSN0]:
-        assert env.state(CONN_A, y) != EvState.ASSUMED_BAD
-    # a retransmission of a PSN never sent
-    ret, out, d = env.run_counted("spray", data(PSN0 + 100000, rtx=True))
-    assert ret == XDP_REDIRECT and "spray_rtx_loss" not in d
-    # a first transmission (no RTX bit) of a PSN sent before blames nothing either
-    ret, out, d = env.run_counted("spray", data(PSN0 + 2))
-    assert "spray_rtx_loss" not in d and env.state(CONN_A, carried[PSN0 + 2]) == EvState.GOOD
-
-
 def _set_lock(env, cid, value):
     from mrc_xdp import shared
     raw = env.maps["mrc_conns"].lookup(cid)
@@ -725,9 +680,7 @@ def test_feedback_at_the_window_edges_is_applied(ecmp):
     ret, out = env.run("spray", data(PSN0, rtx=True))
     assert ret == XDP_REDIRECT
     x, y = carried[PSN0], carried[H]
-    # no feedback had blamed PSN0's send: its retransmission is a timer-found loss on x
-    assert env.state(CONN_A, x) == EvState.ASSUMED_BAD
-    assert _fb(env, "nack", x, nack_psn=PSN0) == dict(ING_FB, ing_nack=1)
+    assert _fb(env, "nack", x, nack_psn=PSN0) == dict(ING_FB, ing_nack=1, ing_fb_skip=1)
     d = _fb(env, "nack", y, nack_psn=H)
     assert d == dict(ING_FB, ing_nack=1, **({"ing_fb_skip": 1} if y != x else {}))
     a, b = [ev for ev in env.active_evs(CONN_A) if ev not in (x, y)][:2]
