@@ -8,8 +8,10 @@
  * n.  Each EV is used once per rotation.  A SKIP EV loses its turn once and is GOOD
  * again; ASSUMED_BAD and DENIED are never used (feedback swaps a retired EV for a
  * backup at once; one denied by the operator just leaves its plane with one EV fewer,
- * the plane's share of packets is unchanged).  Rotation state is per CPU, so the hot
- * path has no atomics.
+ * the plane's share of packets is unchanged).  A plane whose NIC is down (MRC_PF_DOWN in
+ * mrc_planes, set by the health daemon) loses its turns: the round robin goes on over
+ * the planes that are up, so they share the traffic equally, and its EVs keep their
+ * states.  Rotation state is per CPU, so the hot path has no atomics.
  */
 #ifndef MRC_EV_SELECT_H
 #define MRC_EV_SELECT_H
@@ -43,6 +45,14 @@ static __always_inline __u32 rot_next(struct mrc_rot_plane *rp, struct mrc_conn 
 		cur -= n;
 	*(__u64 *)rp = i | (__u64)cur << 16 | (__u64)stride << 32 | (__u64)round << 48;
 	return k;
+}
+
+/* Is plane p out of rotation (its NIC down)?  An inlined array lookup and a test. */
+static __always_inline int plane_off(__u32 p)
+{
+	struct mrc_plane *pl = mrc_planes.lookup(&p);
+
+	return pl && (pl->flags & MRC_PF_DOWN);
 }
 
 /* One try in a plane: 1 = a GOOD slot, left in r->slot.  A SKIP EV met here has sat
@@ -106,9 +116,11 @@ static __always_inline void skips_done(__u32 cid, struct mrc_rot *r)
  * Pick the EV slot for this packet: returns the rotation state with the slot in
  * r->slot, or NULL when no EV is usable.  Planes take turns; the packet's plane p0
  * gets the first `budget` tries (its EV count, capped at an equal share of
- * MRC_SELECT_TRIES), then the next plane, and so on: a plane with no usable EV costs
- * its budget, never the packet.  The first try is the fast path; the loop (which
- * divides) runs only when it fails.  The slot travels through map memory, not a
+ * MRC_SELECT_TRIES), then the next plane, and so on (planes out of rotation passed
+ * over): a plane with no usable EV costs its budget, never the packet, and the round
+ * robin goes on after the plane that took its turn, so the planes that can send share
+ * the turns equally.  The first try is the fast path; the loop (which divides) runs
+ * only when it fails.  The slot travels through map memory, not a
  * register, so every exit reaches the caller in the same verifier state and the rest
  * of the program is verified once, not once per exit.
  */
@@ -116,7 +128,7 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 {
 	struct mrc_rot *r = mrc_rot.lookup(&cid);
 	__u32 n = c->ev_per_plane;
-	__u32 t, p0, budget, limit;
+	__u32 t, p0, q, budget, limit;
 	int found = 1;
 
 	if (!r || !n || !nplanes || nplanes > MRC_MAX_PLANES || n * nplanes > MRC_EV_ACTIVE_MAX)
@@ -125,7 +137,7 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 	r->plane = p0 + 1 < nplanes ? p0 + 1 : 0;
 	r->nskip = 0;
 	r->bad1 = 0;
-	if (ev_try(cid, c, r, p0, n))
+	if (!plane_off(p0) && ev_try(cid, c, r, p0, n))
 		goto out;
 
 	budget = MRC_SELECT_TRIES / nplanes;
@@ -146,8 +158,16 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 		mrc_barrier_var(lim);
 		if (t >= lim)
 			break;
-		if (ev_try(cid, c, r, (p0 + t / budget) % nplanes, n))
+		q = (p0 + t / budget) % nplanes;
+		if (plane_off(q))
+			continue;
+		if (ev_try(cid, c, r, q, n)) {
+			/* another plane took p0's turn: the round robin goes on after it, so
+			 * the planes that can send share the turns equally */
+			if (q != p0)
+				r->plane = q + 1 < nplanes ? q + 1 : 0;
 			goto out;
+		}
 	}
 	found = 0;
 out:

@@ -365,3 +365,103 @@ def test_must_show_spraying_100k_balanced_and_bad_ev_never_used(ecmp):
     _check_balance(env, ev_n, plane_n, N_SPRAY, usable)
     assert env.evctr(CONN_A, bad)["tx_pkts"] == tx_before
     assert env.evctr(CONN_A, repl)["tx_pkts"] == ev_n[repl]
+
+
+# ------------------------------------------------------------------ planes out of rotation
+
+N_PLANES4 = 4
+
+
+def _use_planes(env, nplanes):
+    """Connection A alone, over nplanes planes (4 active EVs and 2 backups each: slots
+    the two-plane configurations use too, so the next Env.use() zeroes them).  Planes
+    2.. reuse the devices of 0 and 1 (a test run redirects nowhere) with MACs of their
+    own, so every output frame still says which plane sent it."""
+    from helpers import GW_MACS, _conf
+    from mrc_xdp import netns
+    from mrc_xdp.config import HostConfig
+    from mrc_xdp.maps import DevInfo, write_all
+    env.use("ecmp")                     # zero every run-time state
+    d = _conf("ecmp")
+    d["planes"] = [{"dev": "p%d" % p, "gateway_mac": "02:6d:72:00:%02x:01" % (p + 1)} for p in range(nplanes)]
+    d["connections"] = [dict(d["connections"][0], ev_per_plane=4, backup_per_plane=2)]
+    cfg = HostConfig.from_dict(d)
+    assert GW_MACS == ["02:6d:72:00:01:01", "02:6d:72:00:02:01"]     # planes 0, 1 as in helpers
+    macs = {p: ("02:6d:72:00:%02x:00" % (p + 1), "02:6d:72:00:%02x:01" % (p + 1)) for p in range(nplanes)}
+    dev = DevInfo(env.ifindex["mrc0"], "02:6d:72:00:00:01", env.ifindex["mrc0p"], "02:6d:72:00:00:02",
+                  [(env.ifindex["p%d" % (p % 2)],) + macs[p] for p in range(nplanes)])
+    with netns.enter(env.ns):
+        write_all(env.maps, cfg, dev, [])
+    env.cfg = cfg
+
+
+def _spray_planes(env, n):
+    """Spray n data frames; (plane -> packets by the output MACs, EV -> packets)."""
+    plane_of = env.ev_plane(CONN_A)
+    planes, evs = collections.Counter(), collections.Counter()
+    for ev in env.spray_evs(n):
+        evs[ev] += 1
+        planes[plane_of[ev]] += 1
+    return planes, evs
+
+
+@pytest.mark.parametrize("down", [(2,), (0,), (1, 3), (0, 1, 2)], ids=["p2", "p0", "p1p3", "p0p1p2"])
+def test_spray_plane_out_of_rotation_shares_equally(datapath, down):
+    """4 planes, some out of rotation (MRC_PF_DOWN, written by the daemon's own writer):
+    the planes that are up carry exactly equal shares (round robin on one CPU), every EV
+    of theirs equally, none of a down plane's EVs is used and no EV changes state; put
+    back, the plane takes its equal share again."""
+    from mrc_xdp import maps as libmaps
+    from helpers import data as data_frame
+    env = datapath
+    _use_planes(env, N_PLANES4)
+    for p in down:
+        assert libmaps.set_plane_down(env.maps["mrc_planes"], p, True)
+    assert not libmaps.set_plane_down(env.maps["mrc_planes"], down[0], True), "already down"
+    states = env.ev_table_bytes()
+    n = 1200                            # divisible by every number of planes up x 4 EVs
+    up = [p for p in range(N_PLANES4) if p not in down]
+    before = env.counters()
+    planes, evs = _spray_planes(env, n)
+    assert dict(planes) == {p: n // len(up) for p in up}, planes
+    act = env.ev_sets(CONN_A)[0]
+    for p in range(N_PLANES4):
+        for s in act[p]:
+            assert evs[s.ev] == (n // len(up) // 4 if p in up else 0), (p, hex(s.ev), evs[s.ev])
+    assert env.ev_table_bytes() == states, "an EV changed state"
+    after = env.counters()
+    assert after["spray_tx"] - before["spray_tx"] == n and after["spray_no_ev"] == before["spray_no_ev"]
+    # the output frames carry their plane's MACs
+    ret, out = env.run("spray", data_frame(n + 1))
+    assert ret == XDP_REDIRECT
+    p = env.ev_plane(CONN_A)[wire.ev_of_frame(out)]
+    assert p in up and out[6:12] == bytes.fromhex("026d7200%02x00" % (p + 1))
+    # back in rotation: equal shares over all four
+    for p in down:
+        assert libmaps.set_plane_down(env.maps["mrc_planes"], p, False)
+    planes, _ = _spray_planes(env, n)
+    assert dict(planes) == {p: n // N_PLANES4 for p in range(N_PLANES4)}, planes
+    env.use("ecmp")
+
+
+def test_spray_plane_out_of_rotation_fallback_and_all_down(datapath):
+    """3 planes, every EV of plane 0 denied: its turns go to the next plane and the round
+    robin goes on after that one, so planes 1 and 2 share equally.  Plane 1 down as well:
+    plane 0's turns fall through to the next plane that is up (2), never to 1.  Every
+    plane down: dropped, no_ev."""
+    from mrc_xdp import maps as libmaps
+    env = datapath
+    _use_planes(env, 3)
+    for s in env.ev_sets(CONN_A)[0][0]:
+        env.set_state(CONN_A, s.ev, EvState.DENIED)
+    planes, _ = _spray_planes(env, 60)
+    assert dict(planes) == {1: 30, 2: 30}, planes
+    libmaps.set_plane_down(env.maps["mrc_planes"], 1, True)
+    planes, _ = _spray_planes(env, 60)
+    assert dict(planes) == {2: 60}, planes
+    for p in (0, 2):
+        libmaps.set_plane_down(env.maps["mrc_planes"], p, True)
+    ret, out, d = env.run_counted("spray", data(1))
+    assert ret == XDP_DROP
+    assert d == {"spray_rx": 1, "spray_no_ev": 1}
+    env.use("ecmp")
