@@ -13,12 +13,14 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   smoothed, served to ``mrc-xdp top``); ``probe.background_fail`` consecutive unanswered
   probes retire a GOOD EV before data is sent over it.
 - **Plane links.** The plane NICs' link state is followed over netlink in the
-  instance's namespace.  A NIC that goes down (not IFF_UP or no carrier) takes every
-  GOOD/SKIP EV of its plane, backups first, out of rotation: ASSUMED_BAD with the
-  ``LINK_DOWN`` reason (``EvReason.LINK_DOWN`` once the shared header has it, OPERATOR
-  until then: a combination nothing else writes).  Spray then finds no usable EV on
-  that plane and gives its turn to the next plane.  When the NIC is up again exactly
-  those EVs go back to GOOD.  Marked EVs are never probed.
+  instance's namespace.  A NIC that goes down (not IFF_UP or no carrier) takes its
+  plane out of rotation: the daemon sets MRC_PF_DOWN in the plane's mrc_planes entry
+  (``maps.Instance.set_plane_down``), spray then passes the plane's turns to the planes
+  that are up, which share the traffic equally, and publishes a link event (reason
+  LINK_DOWN; LINK_UP when the NIC is up again and the flag is cleared).  EV states are
+  left alone: link state is not EV health.  EVs of a plane that is down are not probed
+  (neither resurrection nor background probes).  The flag is re-checked against the
+  link every second, so a reload (flags 0) or a daemon restart converges.
 - **Events.** The daemon is the single consumer of every instance's ``mrc_events``
   ring; events (and the daemon's own changes, ``"source": "daemon"``) go to a bounded
   history and to any number of subscribers on a unix socket (default
@@ -56,9 +58,8 @@ DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
 SOCKET_ENV = "MRC_XDP_DAEMON_SOCKET"
 DEFAULT_CONFIG = "/etc/mrc-xdp/daemon.toml"
 
-LINK_DOWN = getattr(EvReason, "LINK_DOWN", EvReason.OPERATOR)      # with ASSUMED_BAD
-LINK_UP = getattr(EvReason, "LINK_UP", EvReason.OPERATOR)          # back to GOOD
-PROBE_FAIL = getattr(EvReason, "PROBE_FAIL", EvReason.LOSS)        # background probes lost
+LINK_DOWN, LINK_UP = EvReason.LINK_DOWN, EvReason.LINK_UP       # plane link events
+PROBE_FAIL = EvReason.PROBE_FAIL                                    # background probes lost
 TICK = 0.02                 # main loop: ring polls, due probes
 ROWS_S = 0.05               # EV states re-read at most this often per instance
 RESCAN_S = 1.0              # new/removed instances, link resync
@@ -154,9 +155,10 @@ def _name(enum, v) -> str:
 def format_event(d: dict) -> str:
     """One line, as `mrc-xdp events` prints a ring event."""
     if d.get("kind") == "link":
-        return "%.6f %s plane %d (%s) link %s: %d EV(s) %s" % (
+        return "%.6f %s plane %d (%s) link %s: %s, %d EV(s) %s [daemon]" % (
             d["ts_ns"] / 1e9, d["instance"], d["plane"], d["dev"], "up" if d["up"] else "down",
-            d["evs"], "back in rotation" if d["up"] else "out of rotation")
+            d.get("reason", "LINK_UP" if d["up"] else "LINK_DOWN"), d["evs"],
+            "back in rotation" if d["up"] else "out of rotation")
     extra = " (replaced %#010x)" % d["other_ev"] if d.get("reason") == "REPLACED" else ""
     src = " [daemon]" if d.get("source") == "daemon" else ""
     return "%.6f conn %d plane %d EV %#010x %s -> %s: %s%s%s" % (
@@ -339,32 +341,6 @@ def ev_states(inst: maps.Instance) -> list[dict]:
     return out
 
 
-def pinned_map_id(instance: str, name: str):
-    """The id of the map pinned as <instance>/<name>, None when it is not pinned."""
-    try:
-        fd = bpfsys.obj_get(os.path.join(maps.pin_dir(instance), name))
-    except (OSError, ValueError):
-        return None
-    try:
-        return bpfsys.map_info(fd).id
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def load_complete(instance: str) -> bool:
-    try:
-        with open(maps.state_path(instance)) as f:
-            return json.load(f).get("complete") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def link_marked(row: dict) -> bool:
-    return row["state"] == "ASSUMED_BAD" and row["reason"] == LINK_DOWN.name
-
-
 class _Probe:
     __slots__ = ("next", "ok", "fails", "busy")
 
@@ -415,7 +391,7 @@ class InstanceHealth:
         self.rb.poll(0)
 
     def still_loaded(self) -> bool:
-        return pinned_map_id(self.name, "mrc_events") == self.map_id
+        return maps.pinned_map_id(self.name, "mrc_events") == self.map_id
 
     # -- links
     def _open_netlink(self) -> None:
@@ -460,38 +436,31 @@ class InstanceHealth:
             self.set_link(p, dev, fl is not None and bool(fl & IFF_UP) and bool(fl & IFF_RUNNING), force=True)
 
     def set_link(self, plane: int, dev: str, up: bool, force: bool = False) -> None:
+        """Record a plane NIC's link state and make the plane's rotation flag follow it
+        (MRC_PF_DOWN while down).  An event when the link changed or the flag had to be
+        changed (a daemon started or restarted against a flag left by an earlier one, a
+        reload that cleared it); force: re-check the flag even if the link did not change."""
         if not force and self.link_up.get(plane) == up:
             return
         first = plane not in self.link_up
         changed = self.link_up.get(plane) != up
         self.link_up[plane] = up
-        n = self._plane_evs(plane, up)
-        if n or (changed and not first):
-            self.log("%s: plane %d (%s) link %s: %d EV(s) %s" % (self.name, plane, dev, "up" if up else "down",
-                                                                n, "back in rotation" if up else "out of rotation"))
-            self.hub.publish({"instance": self.name, "ts_ns": time.monotonic_ns(), "kind": "link",
-                              "plane": plane, "dev": dev, "up": up, "evs": n, "source": "daemon"})
-
-    def _plane_evs(self, plane: int, up: bool) -> int:
-        """Down: GOOD/SKIP EVs of the plane -> ASSUMED_BAD (LINK_DOWN), backups first so spray
-        finds no GOOD backup to swap in.  Up: exactly those back to GOOD."""
-        rows = [r for r in ev_states(self.inst) if r["plane"] == plane]
-        rows.sort(key=lambda r: r["role"] != "backup")
-        n = 0
-        evs, evidx = self.inst.map("mrc_evs"), self.inst.map("mrc_evidx")
-        for r in rows:
-            try:
-                if not up and r["state"] in ("GOOD", "SKIP"):
-                    maps.set_ev_state(evs, evidx, r["conn"], r["ev"], EvState.ASSUMED_BAD, LINK_DOWN)
-                    self._daemon_event(r, r["state"], "ASSUMED_BAD", LINK_DOWN)
-                    n += 1
-                elif up and link_marked(r):
-                    maps.set_ev_state(evs, evidx, r["conn"], r["ev"], EvState.GOOD, LINK_UP)
-                    self._daemon_event(r, "ASSUMED_BAD", "GOOD", LINK_UP)
-                    n += 1
-            except KeyError:        # the connection went away meanwhile
-                continue
-        return n
+        try:
+            flipped = self.inst.set_plane_down(plane, not up)
+        except (maps.NotLoaded, KeyError, OSError) as e:
+            if changed:
+                self.log("%s: plane %d (%s) link %s, not followed: %s" % (
+                    self.name, plane, dev, "up" if up else "down", e))
+            return
+        if not flipped and (first or not changed):
+            return
+        reason = LINK_UP if up else LINK_DOWN
+        n = sum(1 for r in ev_states(self.inst) if r["plane"] == plane and r["role"] == "active")
+        self.log("%s: plane %d (%s) link %s: %d active EV(s) %s" % (
+            self.name, plane, dev, "up" if up else "down", n, "back in rotation" if up else "out of rotation"))
+        self.hub.publish({"instance": self.name, "ts_ns": time.monotonic_ns(), "kind": "link",
+                          "plane": plane, "dev": dev, "up": up, "reason": reason.name, "evs": n,
+                          "source": "daemon"})
 
     # -- probing
     def _period(self, fails: int) -> float:
@@ -521,7 +490,7 @@ class InstanceHealth:
         seen = set()
         for r in rows:
             k = (r["conn"], r["ev"])
-            if r["state"] != "ASSUMED_BAD" or link_marked(r) or self.link_up.get(r["plane"]) is False:
+            if r["state"] != "ASSUMED_BAD" or self.link_up.get(r["plane"]) is False:
                 continue
             seen.add(k)
             with self.lock:
@@ -577,7 +546,7 @@ class InstanceHealth:
                 st.fails = 0
                 if st.ok >= self.cfg.ok_needed:
                     cur = [x for x in [self._ev_now(r["conn"], r["ev"])] if x]
-                    if cur and cur[0]["state"] == "ASSUMED_BAD" and not link_marked(cur[0]):
+                    if cur and cur[0]["state"] == "ASSUMED_BAD" and self.link_up.get(r["plane"]) is not False:
                         maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
                                           EvState.GOOD, EvReason.PROBE_OK)
                         self._daemon_event(cur[0], "ASSUMED_BAD", "GOOD", EvReason.PROBE_OK)
@@ -613,7 +582,8 @@ class InstanceHealth:
             rtt = {"%d:%d" % k: dict(v) for k, v in self.rtt.items()}
             bad = {"%d:%d" % k: {"ok": v.ok, "fails": v.fails, "next_in_s": round(v.next - time.monotonic(), 3)}
                    for k, v in self.bad.items()}
-        return {"netns": self.netns, "links": {str(p): {"dev": dev, "up": self.link_up.get(p)}
+        return {"netns": self.netns, "links": {str(p): {"dev": dev, "up": self.link_up.get(p),
+                                                        "in_rotation": self.link_up.get(p) is not False}
                                                for p, dev in self.planes},
                 "rtt": rtt, "probing": bad, "resurrected": self.resurrected}
 
@@ -684,7 +654,7 @@ class Daemon:
             if n in self.watch:
                 continue
             try:
-                if not load_complete(n):
+                if not maps.load_complete(n):
                     continue
                 self.watch[n] = InstanceHealth(n, self.cfg, self.hub, self.prober, self.pool, self.log)
                 self.log("%s: following (%d plane(s)%s)" % (n, len(self.watch[n].planes),

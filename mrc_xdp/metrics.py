@@ -7,6 +7,8 @@ scrape and exits.  Names:
     mrc_ev_packets_total{instance,conn,ev,plane,t1,role} per-EV packets sent
     mrc_ev_feedback_total{...,kind}                      sack / nack / ecn / trim / loss / skipped
     mrc_ev_state{...,state}                              1 for the EV's current state
+    mrc_plane_in_rotation{instance,plane,dev}            0 while the plane is out of rotation
+                                                         (its NIC down, health daemon), else 1
     mrc_qp_<counter>_total, mrc_qp_<gauge>{instance,qpn,pid}  transport engine per-QP
                                                          counters of every open Endpoint
     mrc_rx_ev_packets_total{instance,conn,ev}            data received, per sender EV
@@ -59,11 +61,14 @@ def render(instances: list[str] | None = None) -> str:
         "# HELP mrc_counter_total MRC datapath counters (enum mrc_ctr), summed over CPUs.",
         "# TYPE mrc_counter_total counter",
     ]
-    ev_lines, fb_lines, st_lines, rx_lines, ce_lines = [], [], [], [], []
+    ev_lines, fb_lines, st_lines, rx_lines, ce_lines, pl_lines = [], [], [], [], [], []
     for name in instances if instances is not None else maps.instances():
         with maps.Instance(name) as inst:
             for k, v in inst.counters().items():
                 out.append("mrc_counter_total%s %d" % (_labels(instance=name, counter=k), v))
+            for p, down in enumerate(inst.planes_down()):
+                dev = inst.state["planes"][p].get("dev", "")
+                pl_lines.append("mrc_plane_in_rotation%s %d" % (_labels(instance=name, plane=p, dev=dev), not down))
             for r in inst.ev_table():
                 base = dict(instance=name, conn=r["conn_name"], ev="%#010x" % r["ev"],
                             plane=r["plane"], t1=r["t1"], role=r["role"])
@@ -81,6 +86,8 @@ def render(instances: list[str] | None = None) -> str:
             "# TYPE mrc_ev_feedback_total counter"] + fb_lines
     out += ["# HELP mrc_ev_state Current state of each EV (1 for the state it is in).",
             "# TYPE mrc_ev_state gauge"] + st_lines
+    out += ["# HELP mrc_plane_in_rotation 1 while spray uses the plane, 0 while it is out of rotation "
+            "(its NIC down).", "# TYPE mrc_plane_in_rotation gauge"] + pl_lines
     out += _qp_lines(instances if instances is not None else maps.instances())
     out += ["# HELP mrc_rx_ev_packets_total Data packets received, per sender EV.",
             "# TYPE mrc_rx_ev_packets_total counter"] + rx_lines

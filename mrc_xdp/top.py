@@ -1,7 +1,8 @@
 """`mrc-xdp top`: a live terminal view of one datapath instance, in the style of htop.
 
 Per-connection EV table (state, packet rate, probe RTT, last reason), plane balance
-(share of the packets sprayed per plane over the last refresh) and the recent EV
+(share of the packets sprayed per plane over the last refresh; a plane the health
+daemon took out of rotation because its NIC is down says DOWN) and the recent EV
 events.  Probe RTTs and events come from the health daemon when it runs (events over
 its socket); without it top reads the instance's event ring itself.
 
@@ -41,6 +42,7 @@ class Top:
         self.prev_t = 0.0
         self.rows: list[dict] = []
         self.planes: list[tuple[int, int]] = []
+        self.down: list[bool] = []
         self.msg = ""
         self.daemon: dict | None = None
         self.evsock = None
@@ -105,6 +107,9 @@ class Top:
             p = rtts.get("%d:%d" % k)
             r["rtt"] = p.get("srtt") if p else None
         self.prev, self.prev_t = cur, now
+        self.down = self.inst.planes_down()
+        for p in range(len(self.down)):
+            plane_pk.setdefault(p, 0)
         self.planes = sorted(plane_pk.items())
         if self.conn_filter is not None:
             rows = [r for r in rows if r["conn"] == self.conn_filter]
@@ -165,6 +170,8 @@ class Top:
         bal = Text("planes: ")
         for p, n in self.planes:
             bal.append("p%d %5.1f%%  " % (p, 100.0 * n / tot if tot else 0.0))
+            if p < len(self.down) and self.down[p]:
+                bal.append("DOWN (out of rotation)  ", style="bold red")
         counts = collections.Counter(r["state"] for r in self.rows)
         bal.append("   EVs: " + "  ".join("%s %d" % (s, counts[s]) for s in ("GOOD", "SKIP", "ASSUMED_BAD", "DENIED")
                                          if counts[s]))

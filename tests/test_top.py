@@ -143,13 +143,40 @@ def test_top_in_tmux(lab, tmp_path):
 
 def test_top_with_daemon(lab):
     """With the daemon running top takes its events from the daemon's socket (the ring
-    has one consumer) and says whose they are; --once prints one frame."""
+    has one consumer) and says whose they are; --once prints one frame.  h0's p1 NIC
+    down: top says plane 1 is DOWN and shows the daemon's LINK_DOWN event, the metrics
+    say plane 1 is out of rotation (0) and plane 0 in (1); up again: both in."""
+    from mrc_xdp.maps import Instance
+    inst = lab["prefix"] + "h0"
     d = H.Daemon(lab, background_per_s=0).start()
+
+    def down():
+        with Instance(inst) as i:
+            return i.planes_down()
+
+    def gauge(text, plane):
+        m = re.search(r'mrc_plane_in_rotation\{instance="%s",plane="%d",dev="p%d"\} (\d)' % (inst, plane, plane), text)
+        return m and int(m.group(1))
     try:
-        p = H.cli("top", "-i", lab["prefix"] + "h0", "--once", env=d.env)
+        p = H.cli("top", "-i", inst, "--once", env=d.env)
         assert "daemon: pid %d" % d.p.pid in p.stdout, p.stdout
         assert "recent events:" in p.stdout
+        assert "DOWN" not in p.stdout.split("recent events:")[0], p.stdout
+        H.link_set(lab, "h0", "p1", False)
+        assert H.wait_for(lambda: down() == [False, True], 5)
+        p = H.cli("top", "-i", inst, "--once", env=d.env)
+        assert re.search(r"p1\s+\d+\.\d%\s+DOWN \(out of rotation\)", p.stdout), p.stdout
+        assert "plane 1 (p1) link down: LINK_DOWN" in p.stdout, p.stdout
+        m = H.cli("metrics", "--once", "-i", inst).stdout
+        assert (gauge(m, 0), gauge(m, 1)) == (1, 0), m
+        H.link_set(lab, "h0", "p1", True)
+        assert H.wait_for(lambda: down() == [False, False], 5)
+        m = H.cli("metrics", "--once", "-i", inst).stdout
+        assert (gauge(m, 0), gauge(m, 1)) == (1, 1), m
     finally:
         d.kill()
+        H.link_set(lab, "h0", "p1", True)
+        with Instance(inst) as i:
+            i.set_plane_down(1, False)
     p = H.cli("top", "-i", "no-such-instance", "--once", check=False)
     assert p.returncode == 1 and "not loaded" in p.stderr and "Traceback" not in p.stderr
