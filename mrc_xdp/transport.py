@@ -365,7 +365,7 @@ class CQ:
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
-              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md")
+              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace")
 
 
 class Endpoint:

@@ -91,6 +91,28 @@ def test_thousand_qps_and_idle(pair):
     assert fds() == fd0 and threads() == th0
 
 
+def test_pacing_options(pair):
+    """Paced by default (cc_pace 1): the window sets the rate (cwnd per min RTT), so it may
+    go below one packet (floor payload/16, fair increase payload/8 per RTT); cc_pace=2 is
+    the window alone, with its one-packet floor and one-packet fair increase.  A paced QP
+    moves data intact."""
+    import hashlib
+    with transport.Endpoint(pair.ia) as A, transport.Endpoint(pair.ib, cc_pace=2) as B:
+        a, b = A.options(), B.options()
+        assert (a["cc_pace"], a["cc_min_cwnd"], a["cc_fair_inc"]) == (1, A.payload // 16, A.payload // 8), a
+        assert (b["cc_pace"], b["cc_min_cwnd"], b["cc_fair_inc"]) == (2, B.payload, B.payload), b
+        qa = A.create_qp(qpn=ep_.CONNS[3][0])
+        qb = B.create_qp(qpn=ep_.CONNS[3][1])
+        qa.connect(qb.local_attrs())
+        qb.connect(qa.local_attrs())
+        size = 8 << 20
+        src, dst = bytearray(os.urandom(size)), bytearray(size)
+        ma, mb = A.reg_mr(src), B.reg_mr(dst)
+        qa.post_write(5, ma, 0, size, mb.addr, mb.rkey)
+        assert [(c.wr_id, c.ok) for c in A.cq.wait_blocking(timeout=30)] == [(5, True)]
+        assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
+
+
 def test_timestamps(pair):
     """timestamps=1: TSETH on every data packet (through spray, ingress and to_engine),
     its tx time reflected in the SACK's CC_STATE and used for RTT samples; the payload

@@ -203,9 +203,27 @@ def test_transfer_and_runtime_qp(lab):
     assert r["tx"]["rtx_pkts"] <= _rtx_bound(0, r["tx"]["tx_pkts"])
     # a QP the lab's config does not list: its connection is added at connect, and gone after
     from mrc_xdp import conns
+    from mrc_xdp.maps import Instance
     n0 = len(conns.list_(lab["prefix"] + "h0"))
-    transfer(lab, [("h0", "h2")], 3 << 20, lab_qpns=False)
+    seen = []
+
+    def evs(frac):
+        if not seen:
+            with Instance(lab["prefix"] + "h0") as inst:
+                seen.append(inst.ev_table())
+    transfer(lab, [("h0", "h2")], 3 << 20, lab_qpns=False, during=evs)
     assert len(conns.list_(lab["prefix"] + "h0")) == n0
+    # its EVs are spread over the T1s as the lab's: in ecmp mode the very EVs the lab
+    # found by probing for its connection to h2 (a random EV set hashes unevenly)
+    rows = seen[0]
+    lab_evs = {(e["ev"], e["plane"], e["t1"]) for e in rows if e["conn_name"] == "h2"}
+    run = [e for e in rows if e["conn_name"].startswith("qp")]
+    act = [(e["plane"], e["t1"]) for e in run if e["role"] == "active"]
+    t = lab["topo"]
+    assert sorted(set(act)) == [(p, j) for p in range(t.planes) for j in range(t.t1_per_plane)], run
+    assert len({act.count(k) for k in set(act)}) == 1, act
+    if lab["mode"] == "ecmp":
+        assert {(e["ev"], e["plane"], e["t1"]) for e in run} <= lab_evs, (run, lab_evs)
 
 
 @pytest.mark.parametrize("loss", [0.01, 0.10])

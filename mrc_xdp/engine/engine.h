@@ -89,6 +89,8 @@ struct mrc_eng_opts {
 	uint32_t cc_prop_gain;      /* proportional increase gain, percent of acked bytes at RTT 0 (default 100) */
 	uint32_t cc_md_gamma;       /* multiplicative decrease: percent per (rtt-target)/rtt (default 100) */
 	uint32_t cc_max_md;         /* max decrease per RTT, percent (default 50) */
+	uint32_t cc_pace;           /* 1 (default): pace at cwnd per min RTT, in flight up to 4 cwnd;
+	                             * 2: window only (cwnd bytes in flight, no pacing) */
 };
 
 struct mrc_eng_stats {
