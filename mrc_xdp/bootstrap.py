@@ -241,13 +241,14 @@ def ctl_addr(topo, plane: int, host: str) -> str:
     return str(ipaddress.IPv6Address(base | (CTL_SUBNET + plane) << 80 | (topo.host(host).index + 1)))
 
 
-def lab_control_path(prefix: str, topo=None) -> dict:
+def lab_control_path(prefix: str, topo=None, execs=None) -> dict:
     """Give every lab host one control address per plane NIC, C(p, h), routed over the
     fabric (idempotent).  Every plane's switches route every control address (T0s hash
     over their T1s by L4 ports), so the plane a packet takes is chosen by its sender:
     a host sends to C(p, g) over plane p, and whatever it sends from its own C(p, h) over
     plane p too (policy rule ``from C(p, h) lookup 100+p``), which lets MPTCP put one
-    subflow on each plane.  Returns {host: [C(0, h), C(1, h), ...]}."""
+    subflow on each plane.  execs: {node: executor} of a VM lab (mrc_xdp.lab.vm, the same
+    lines over SSH); None: the netns lab `prefix`.  Returns {host: [C(0, h), C(1, h), ...]}."""
     import subprocess
     from .lab import fabric
     if topo is None:
@@ -290,15 +291,20 @@ def lab_control_path(prefix: str, topo=None) -> dict:
                     pt = by_peer[topo.t0_name(n.plane, h.t0)]
                     c.append("route replace %s/128 via %s dev %s" % (a, pt.peer.addr, pt.ifname))
     for node, lines in cmds.items():
-        r = subprocess.run(["nsenter", "--net=/run/netns/" + prefix + node, "ip", "-6", "-force",
-                            "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
+        if execs is not None:
+            r = execs[node].run(["ip", "-6", "-force", "-batch", "-"], input="\n".join(lines) + "\n", check=False)
+        else:
+            r = subprocess.run(["nsenter", "--net=/run/netns/" + prefix + node, "ip", "-6", "-force",
+                                "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
         errs = [l for l in r.stderr.splitlines() if l.strip() and "No such file" not in l
                 and "Command failed" not in l]
         if errs:
             raise BootstrapError("lab control path: %s: %s" % (node, errs[-1]))
     # the T0s hash TCP flows over the T1s by L4 ports, as they hash MRC EVs
     for n in topo.nodes.values():
-        if n.kind == "t0":
+        if n.kind == "t0" and execs is not None:
+            execs[n.name].sysctls([("net.ipv6.fib_multipath_hash_policy", "1")])
+        elif n.kind == "t0":
             netns.run(prefix + n.name, _sysctl, "net.ipv6.fib_multipath_hash_policy", "1")
     return {h.name: [ctl_addr(topo, p, h.name) for p in P] for h in topo.hosts}
 

@@ -32,6 +32,15 @@ APT_PKGS=(
     iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
     python3-rich python3-matplotlib tmux             # mrc-xdp top, bench_failover plot, top test
 )
+# MRC_SETUP_EXTRAS=0 leaves out what only the evaluation's plots, the benchmarks and the
+# `mrc-xdp top` test use (the VM lab's guest image sets it: matplotlib is most of a cold
+# image build's downloads).
+APT_EXTRAS=(python3-matplotlib tmux iperf3 tcpdump)
+if [ "${MRC_SETUP_EXTRAS:-1}" = 0 ]; then
+    keep=()
+    for p in "${APT_PKGS[@]}"; do [[ " ${APT_EXTRAS[*]} " == *" $p "* ]] || keep+=("$p"); done
+    APT_PKGS=("${keep[@]}")
+fi
 # Kernel headers for bcc: a host with a headers tree for its running kernel is left
 # alone; otherwise Debian's linux-headers-<arch> is merged by mrc_xdp.kheaders.
 KBUILD=/lib/modules/$(uname -r)/build
@@ -80,7 +89,9 @@ stamp=$VENV/.mrc-xdp-installed
 want=$( { for f in "${STAMP_INPUTS[@]}"; do [ -f "$f" ] && cat "$f"; done; echo "${PIP_PKGS[*]-}"; } \
         | sha256sum | cut -d' ' -f1)
 engine_so=$(compgen -G "mrc_xdp/_engine*.so" || true)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ] || [ -z "$engine_so" ]; then
+# (the entry point's metadata is mrc_xdp.egg-info in the tree: gone after a `git clean -x`)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ] || [ -z "$engine_so" ] \
+        || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("mrc-xdp")' 2>/dev/null; then
     pip_log=$LOG_DIR/pip.log
     : >"$pip_log"
     if [ ${#PIP_PKGS[@]} -gt 0 ]; then

@@ -97,10 +97,12 @@ install -m 755 "$HERE/lab-poweroff" "$R/sbin/lab-poweroff"
 say "mrc-xdp checkout -> /opt/mrc-xdp"
 D=$R/opt/mrc-xdp
 mkdir -p "$D"
-# keep .venv and the built engine: setup.sh reinstalls only when their inputs changed
+# keep .venv, the built engine and the editable install's metadata (mrc_xdp.egg-info: the
+# console script `mrc-xdp` finds its entry point there): setup.sh reinstalls only when
+# their inputs changed
 so=$(cd "$D" && ls mrc_xdp/_engine*.so 2>/dev/null || true)
 [ -z "$so" ] || mv "$D/$so" "$OUT/engine.so.keep"
-find "$D" -mindepth 1 -maxdepth 1 ! -name .venv ! -name build -exec rm -rf {} +
+find "$D" -mindepth 1 -maxdepth 1 ! -name .venv ! -name build ! -name '*.egg-info' -exec rm -rf {} +
 if [ -n "${FILES:-}" ]; then        # the list vm.py hashed (package, bpf/, set-up)
     tar -C "$SRC" -cf - -T "$FILES" | tar -C "$D" -xf -
 else
@@ -112,7 +114,10 @@ cp /etc/resolv.conf "$R/etc/resolv.conf"
 say "scripts/setup.sh inside the tree (the README's set-up)"
 mount_chroot
 echo 'APT::Install-Recommends "false";' > "$R/etc/apt/apt.conf.d/90lab"
-if ! chroot "$R" bash /opt/mrc-xdp/scripts/setup.sh >"$OUT/setup.log" 2>&1; then
+# MRC_SETUP_EXTRAS=0: no matplotlib, tmux, iperf3, tcpdump (evaluation and benchmarks only;
+# MRC_GUEST_EXTRAS=1 keeps them)
+if ! chroot "$R" env MRC_SETUP_EXTRAS="${MRC_GUEST_EXTRAS:-0}" bash /opt/mrc-xdp/scripts/setup.sh \
+        >"$OUT/setup.log" 2>&1; then
     tail -n 8 "$OUT/setup.log" >&2
     echo "scripts/setup.sh failed inside the image (log: $OUT/setup.log)" >&2
     exit 1

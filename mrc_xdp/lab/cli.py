@@ -120,6 +120,9 @@ def _drained(q: dict, rate_bps: int) -> int:
 
 def set_link(prefix: str, target: str, node_ok: bool = False, **changes) -> list[str]:
     """Apply link-model changes (rate_bps, loss_ppm, blackhole, flap_period_ms, ...)."""
+    from . import vm
+    if vm.is_vm_lab(prefix):            # the same changes, made in the VMs (over SSH)
+        return vm.set_link(prefix, target, node_ok=node_ok, warn=_warn, **changes)
     st, topo, lm = _open(prefix)
     with lm:
         sel = resolve_ends(topo, target, node_ok=node_ok)
@@ -140,6 +143,9 @@ def heal(prefix: str, target: str | None = None) -> list[str]:
 
 
 def _heal_all(prefix):
+    from . import vm
+    if vm.is_vm_lab(prefix):
+        return vm.set_link(prefix, None, blackhole=False, loss_ppm=0, flap_period_ms=0)
     st, topo, lm = _open(prefix)
     with lm:
         sel = resolve_ends(topo, None)
@@ -261,6 +267,10 @@ def format_status(s: dict) -> str:
 # ---------------------------------------------------------------- handlers
 def _progress(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _warn(msg: str) -> None:
+    print("mrc-xdp lab: %s" % msg, file=sys.stderr, flush=True)
 
 
 def _target(args) -> str:

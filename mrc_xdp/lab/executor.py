@@ -230,6 +230,14 @@ def link_counters(pin_dir: str, ifnames: list) -> dict:
         return {n: lm.counters(_ifindex(n)) for n in ifnames}
 
 
+def link_update(pin_dir: str, ifnames: list, changes: dict) -> dict:
+    """On a VM: `lab link set` / `fail` / `heal` at this node's receiving ends: the link
+    model's LinkModel.update (the netns lab's call), by interface name."""
+    from . import linkmodel as lmod
+    with lmod.LinkModel.open(pin_dir) as lm:
+        return {n: lm.update(_ifindex(n), **changes) for n in ifnames}
+
+
 def traffic_receive(local: str, peer: str, local_qpn: int, peer_qpn: int, expect: int,
                     seconds: float, ready: str = "", stop: str = "") -> dict:
     """On a host: answer data from `peer` on mrc0 with SACKs (traffic.Receiver) until
@@ -268,7 +276,7 @@ def traffic_send(local: str, peer: str, dqpn: int, count: int, pps: float, paylo
 
 
 AGENT = {"traffic_receive": traffic_receive, "traffic_send": traffic_send, "wire_vm": wire_vm, "vm_datapaths": vm_datapaths, "vm_unload": vm_unload,
-         "counters": counters, "link_counters": link_counters}
+         "counters": counters, "link_counters": link_counters, "link_update": link_update}
 
 
 def main(argv=None) -> int:

@@ -353,6 +353,21 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
     return res
 
 
+def control_path(topo: Topology, prefix: str, execs: dict, progress=_noop) -> dict:
+    """The lab control path (bootstrap.lab_control_path, the netns lab's function, over
+    SSH): every host gets one control address per plane, routed by that plane's switches,
+    for the TCP bootstrap of `mrc-xdp send/recv/write-bw` (a host's plane-0 address is its
+    control address).  Returns {host: [address per plane]}."""
+    from .. import bootstrap
+    t = time.monotonic()
+    try:
+        addrs = bootstrap.lab_control_path(prefix, topo, execs=execs)
+    except bootstrap.BootstrapError as e:
+        raise VmError(str(e)) from None
+    progress("  control path (TCP bootstrap addresses per plane)  %.1fs" % (time.monotonic() - t))
+    return addrs
+
+
 # ---------------------------------------------------------------- state
 def state_path(prefix: str) -> str:
     return os.path.join(STATE_DIR, "vmlab-%s.json" % prefix)
@@ -490,7 +505,9 @@ def qemu_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_noop,
         progress("  %d VMs booted in %.0fs" % (len(execs), st["boot_s"]))
         st["hosts"] = setup_nodes(topo, prefix, execs, pl, progress, hosts=hosts, datapaths=datapaths,
                                   linkmodel=linkmodel)
-        st["linkmodel"] = sorted(topo.nodes) if linkmodel is True else sorted(linkmodel or ())
+        st["control"] = control_path(topo, prefix, execs, progress)
+        st["linkmodel"] = sorted(topo.nodes) if (linkmodel is True and datapaths) \
+            else sorted(linkmodel or ()) if datapaths else []
         st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
         st["complete"] = True
         st["up_s"] = round(time.monotonic() - t_start, 1)
@@ -545,6 +562,45 @@ def _signal_node(prefix: str, node: str, sig) -> None:
     if pid is None:
         raise VmError("no running VM %r in lab %r" % (node, prefix))
     os.kill(pid, sig)
+
+
+def linkmodel_nodes(st: dict) -> list[str]:
+    """The VMs that run the link model (`lab up --vm` loads it on all unless told not to)."""
+    lm = st.get("linkmodel")
+    return sorted(st.get("plan", {}).get("nodes", {})) if lm is None else list(lm)
+
+
+def set_link(prefix: str, target: str | None, node_ok: bool = False, warn=None, **changes) -> list[str]:
+    """`lab link set` / `lab fail` / `lab heal` on a VM lab: the link ends named as in the
+    netns lab (cli.resolve_ends), each changed by LinkModel.update in the VM that receives
+    on it (executor agent ``link_update``).  Ends into a VM without the link model are
+    not modelled: they are left out and named through warn(msg); none at all is an error.
+    target None: every end.  Returns the ends changed."""
+    from .cli import resolve_ends
+    st = load_state(prefix)
+    if not st.get("complete"):
+        raise fabric.LabNotUp("VM lab %r is not completely up (an `up` failed or is running): "
+                              "run `mrc-xdp lab down --prefix %s` and `up` again" % (prefix, prefix))
+    topo = topology_of(st)
+    have = set(linkmodel_nodes(st))
+    by_node, done, skipped = {}, [], []
+    for name, rx, lk in resolve_ends(topo, target, node_ok=node_ok):
+        if rx.node in have:
+            by_node.setdefault(rx.node, []).append(rx.ifname)
+            done.append(name)
+        else:
+            skipped.append((name, rx.node))
+    if not done:
+        raise VmError("%s: no link model at %s (VM lab %r runs it on %s only; `lab up --vm` without "
+                      "--no-linkmodel loads it on every VM)"
+                      % (target or "every link", ", ".join(e[0] for e in skipped), prefix, ", ".join(sorted(have)) or "none"))
+    execs = execs_of(st)
+    _parallel(lambda n: execs[n].call("link_update", pin_dir=fabric.pin_dir(prefix), ifnames=by_node[n],
+                                      changes=changes, timeout=120), list(by_node))
+    if skipped and target is not None and warn:
+        warn("not modelled (no link model in VM %s): %s"
+             % (", ".join(sorted({e[1] for e in skipped})), ", ".join(e[0] for e in skipped)))
+    return done
 
 
 # ---------------------------------------------------------------- Vagrant (vagrant-libvirt)
@@ -689,6 +745,9 @@ def vagrant_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_no
         _wait_ssh(execs, 300, progress, t_start)
         st["hosts"] = setup_nodes(topo, prefix, execs, st["plan"], progress, hosts=hosts,
                                   datapaths=datapaths, linkmodel=linkmodel)
+        st["control"] = control_path(topo, prefix, execs, progress)
+        st["linkmodel"] = sorted(topo.nodes) if (linkmodel is True and datapaths) \
+            else sorted(linkmodel or ()) if datapaths else []
         st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
         st["complete"] = True
         st["up_s"] = round(time.monotonic() - t_start, 1)
