@@ -3,6 +3,7 @@
 
     sudo .venv/bin/python tools/bench_transport.py [--part a|b|all] [--reps 3] [--seconds 4]
                                                   [--rate 100mbit] [--mtu 1500] [--json]
+                                                  [--mrc-only] [--mrc-runs N] [--shape no]
 
 (a) Live pair: two namespaces, two planes (veths p0, p1), no switches, the datapath
     loaded on both.  One MRC QP (`mrc-xdp write-bw`, payload = the engine's default for
@@ -20,7 +21,11 @@
     address per plane NIC, routed by the plane's switches, which hash flows over T1s.
 
 Figures are goodput measured at the receiver.  Every run also reports how its packets
-spread over h0's T0 -> T1 uplinks (link-model counters), which explains TCP's share.
+spread over h0's T0 -> T1 uplinks (link-model counters), which explains TCP's share;
+MRC runs also how busy the uplinks were (wire bytes over capacity x run time: headers,
+trimmed frames and retransmissions included; goodput can reach at most payload / frame
+bytes of it: 1408 / 1506 = 0.935 in ecmp, 1408 / 1546 = 0.911 in srv6 with its 40-byte
+outer header, at the lab's MTU 1500).
 Nothing here asserts a speed: it prints figures and ratios.  Namespaces and labs get
 unique names and are removed at the end, also on error or Ctrl-C.
 """
@@ -334,6 +339,15 @@ def uplinks(topo, lm, src="h0"):
             for p in range(topo.planes) for j in range(topo.t1_per_plane)}
 
 
+def uplink_bytes(topo, lm, src="h0"):
+    """Bytes the link models counted on src's T0 -> T1 uplinks (whole frames, trimmed
+    ones at their trimmed size): with the run time, how busy the bottleneck was."""
+    ends = {name: rx.ifindex for name, rx, _, _ in topo.link_ends()}
+    t0 = topo.host(src).t0
+    return sum(lm.counters(ends["%s>%s" % (topo.t0_name(p, t0), topo.t1_name(p, j))])["bytes"]
+               for p in range(topo.planes) for j in range(topo.t1_per_plane))
+
+
 def spread(before, after):
     d = {k: after[k] - before[k] for k in after}
     tot = sum(d.values()) or 1
@@ -415,9 +429,10 @@ def part_b(args, out):
                     % (mode, cfg, mbps(rate), mbps(2 * rate), mbps(cap), args.seconds))
                 runs = []
                 if no_engine is None and not shaped:   # MRC runs on the link model as designed
-                    runs.append(("mrc_1qp", lambda: mrc_perf(
-                        "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst, 18515,
-                        ["--duration", str(args.seconds), "--size", str(args.msg_size)])))
+                    for i in range(max(1, getattr(args, "mrc_runs", 1))):
+                        runs.append(("mrc_1qp" + ("#%d" % (i + 1) if i else ""), lambda i=i: mrc_perf(
+                            "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst, 18515 + i,
+                            ["--duration", str(args.seconds), "--size", str(args.msg_size)])))
                 if mode == "ecmp" and not getattr(args, "mrc_only", False):
                     runs += [
                         ("tcp_1flow", lambda: iperf3(h2, h0, dst, args.seconds)[0]),
@@ -430,7 +445,7 @@ def part_b(args, out):
                 rc = r.setdefault(cfg, {})
                 for name, fn in runs:
                     time.sleep(1)         # the phantom queues drain between runs
-                    b = uplinks(topo, lm)
+                    b, bb = uplinks(topo, lm), uplink_bytes(topo, lm)
                     try:
                         x = fn()
                     except RuntimeError as e:
@@ -444,8 +459,14 @@ def part_b(args, out):
                     if isinstance(x, dict):
                         q = x["qp_stats"]
                         rc[name]["qp_stats"] = q
-                        extra = "  (rtx %d of %d pkts, ECN SACKs %d, trims %d)" % (
-                            q["rtx_pkts"], q["tx_pkts"], q["sacks_rx_ecn"], q["nacks_rx_trim"])
+                        # uplinks busy: wire bytes (headers, trimmed frames, retransmissions
+                        # included) over what the uplinks carry in the run's time
+                        busy = (uplink_bytes(topo, lm) - bb) * 8 / (cap * x["seconds"])
+                        rc[name]["uplinks_busy"] = busy
+                        extra = "  (uplinks %.0f%% busy; rtx %d of %d pkts, ECN SACKs %d of %d, trims %d; " \
+                                "cwnd %s B, srtt %s us at the end)" % (
+                                    100 * busy, q["rtx_pkts"], q["tx_pkts"], q["sacks_rx_ecn"], q["sacks_rx"],
+                                    q["nacks_rx_trim"], q.get("cwnd"), q.get("srtt_us"))
                     log("  %-16s %10s  %5.1f%% of capacity   uplinks %s%s" % (
                         name, mbps(bps), 100 * bps / cap,
                         " ".join("%s:%.0f%%" % (k, 100 * v) for k, v in sp.items()), extra))
@@ -471,6 +492,7 @@ def main(argv=None) -> int:
     ap.add_argument("--msg-size", type=int, default=1 << 20, help="MRC write size for write-bw")
     ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
     ap.add_argument("--mrc-only", action="store_true", help="(b) only MRC (no kernel baselines)")
+    ap.add_argument("--mrc-runs", type=int, default=1, help="(b) MRC runs per lab (mrc_1qp, mrc_1qp#2, ...)")
     ap.add_argument("--shape", choices=["no", "yes", "only"], default="yes",
                     help="(b) also (yes) or only run every transport with tbf at each link's rate (a real queue)")
     ap.add_argument("--json", action="store_true")
