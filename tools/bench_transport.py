@@ -4,6 +4,7 @@
     sudo .venv/bin/python tools/bench_transport.py [--part a|b|all] [--reps 3] [--seconds 4]
                                                   [--rate 100mbit] [--mtu 1500] [--json]
                                                   [--mrc-only] [--mrc-runs N] [--shape no]
+                                                  [--lab-mtu 3000]
 
 (a) Live pair: two namespaces, two planes (veths p0, p1), no switches, the datapath
     loaded on both.  One MRC QP (`mrc-xdp write-bw`, payload = the engine's default for
@@ -372,11 +373,19 @@ def mptcp_setup(prefix, addrs, mesh: bool):
         ip(prefix + "h0", "mptcp", "endpoint", "add", addrs["h0"][1], "subflow")
 
 
-def lab_up(mode, rate, progress=log):
+def lab_up(mode, rate, progress=log, mtu=None):
+    """The default lab in `mode`; mtu: its fabric links' MTU instead of the default's
+    (mrc0 gets mtu - 40, room for the SRv6 outer header), as a topology file may say."""
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
+    from mrc_xdp.validate import read_toml
     prefix = "bt%s%s-" % (mode[0], TAG[:5])
-    st = fabric.up(topology.load(mode=mode), prefix=prefix, hosts_hook=hosts.fabric_hook)
+    data = read_toml(topology.DEFAULT_TOPOLOGY, "topology", topology.TopologyError)
+    data["mode"] = mode
+    if mtu:
+        data["mtu"], data["app_mtu"] = mtu, mtu - topology.SRV6_OUTER_LEN
+    topo = topology.from_dict(data, source=topology.DEFAULT_TOPOLOGY)
+    st = fabric.up(topo, prefix=prefix, hosts_hook=hosts.fabric_hook)
     topo = fabric.topology_of(st)
     lm = lmod.LinkModel.open(st["pin_dir"])
     for lk in topo.links:
@@ -414,19 +423,21 @@ def part_b(args, out):
     for mode in (["ecmp", "srv6"] if no_engine is None else ["ecmp"]):
         prefix = None
         try:
-            prefix, topo, lm = lab_up(mode, rate)
+            prefix, topo, lm = lab_up(mode, rate, mtu=getattr(args, "lab_mtu", None))
             cap = topo.planes * topo.t1_per_plane * rate
             addrs = bootstrap.lab_control_path(prefix, topo)
             h0, h2 = prefix + "h0", prefix + "h2"
             for h in (h0, h2):      # a TCP flow keeps its path (no re-hash on RTO), as on hardware ECMP
                 netns.run(h, bootstrap._sysctl, "net.core.txrehash", "0")
             dst = addrs["h2"][0]
-            r = {"capacity_bps": cap, "rate_t0t1_bps": rate, "rate_host_bps": 2 * rate}
+            r = {"capacity_bps": cap, "rate_t0t1_bps": rate, "rate_host_bps": 2 * rate,
+                 "mtu": topo.mtu, "app_mtu": topo.app_mtu}
             for shaped in {"no": [False], "yes": [False, True], "only": [True]}[args.shape]:
                 shape(prefix, topo, rate, shaped)
                 cfg = "linkmodel+tbf" if shaped else "linkmodel"
-                log("(b) lab %s mode, %s: T0-T1 links %s, host links %s, h0 -> h2 capacity %s, %d s per run"
-                    % (mode, cfg, mbps(rate), mbps(2 * rate), mbps(cap), args.seconds))
+                log("(b) lab %s mode, %s: T0-T1 links %s, host links %s, h0 -> h2 capacity %s, MTU %d "
+                    "(mrc0 %d), %d s per run" % (mode, cfg, mbps(rate), mbps(2 * rate), mbps(cap), topo.mtu,
+                                                topo.app_mtu, args.seconds))
                 runs = []
                 if no_engine is None and not shaped:   # MRC runs on the link model as designed
                     for i in range(max(1, getattr(args, "mrc_runs", 1))):
@@ -493,6 +504,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
     ap.add_argument("--mrc-only", action="store_true", help="(b) only MRC (no kernel baselines)")
     ap.add_argument("--mrc-runs", type=int, default=1, help="(b) MRC runs per lab (mrc_1qp, mrc_1qp#2, ...)")
+    ap.add_argument("--lab-mtu", type=int, default=None,
+                    help="(b) fabric MTU of the lab (mrc0: 40 less; default: the default topology's 1600/1500; "
+                         "at most 3000)")
     ap.add_argument("--shape", choices=["no", "yes", "only"], default="yes",
                     help="(b) also (yes) or only run every transport with tbf at each link's rate (a real queue)")
     ap.add_argument("--json", action="store_true")
