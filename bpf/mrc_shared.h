@@ -59,6 +59,10 @@
  * PSN, spdcid/dpdcid swapped, CC_STATE tx timestamp = the probe's, and the probe id in the
  * SETH bytes below (sack_offset: no bitmap rides on a probe answer). */
 #define MRC_PANS_ID_OFF      18     /* (?) SETH byte offset of the echoed probe id */
+#define MRC_PETH_VI_OFF      3      /* PETH vendor_info: 0, or 1 + the T1 the probed EV
+                                     * goes through (our probers set it); the answer comes
+                                     * back through that same T1, so a probe of a live path
+                                     * is not lost on a dead T1 of the way back */
 /* The ICRC trailer is the CRC-32 value stored little-endian, as Linux rxe does. */
 #define MRC_ICRC_LITTLE_ENDIAN 1
 

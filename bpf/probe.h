@@ -99,6 +99,29 @@ static __always_inline __u32 probe_t1(__u32 cid, struct mrc_conn *c, __u32 plane
 	return e ? e->t1 : 0;
 }
 
+/* ECMP: the entropy for the way back through T1 t1 of the arrival plane: a GOOD active EV
+ * of this side's connection that the fabric hashes onto that T1 (the EV-to-T1 map the
+ * EV set was drawn with), or 0 when there is none (the answer keeps the probed EV). */
+static __always_inline __u32 probe_back_ev(__u32 cid, struct mrc_conn *c, __u32 plane, __u32 t1)
+{
+	__u32 n = c->ev_per_plane, j, lim;
+	struct mrc_ev *e;
+
+	if (!n || n > MRC_EV_ACTIVE_MAX)
+		return 0;
+#pragma clang loop unroll(disable)
+	for (j = 0; j < MRC_EV_ACTIVE_MAX; j++) {
+		lim = n;
+		mrc_barrier_var(lim);   /* two exits, as in ev_select(): for the 6.1 verifier */
+		if (j >= lim)
+			break;
+		e = ev_at(cid, (plane & (MRC_MAX_PLANES - 1)) * n + j);
+		if (e && e->plane == plane && e->t1 == t1 && e->state == MRC_EV_GOOD)
+			return e->ev;
+	}
+	return 0;
+}
+
 /* CRC-32 (reflected, table mrc_crc) of the answer's masked IPv6 packet. */
 static __always_inline int probe_icrc(void *data, void *data_end, __u32 *out)
 {
@@ -133,7 +156,7 @@ static __always_inline int probe_answer(struct xdp_md *ctx, struct mrc_pkt *p, s
 {
 	struct mrc_srv6_tmpl *t = 0;
 	struct mrc_plane *pl;
-	__u32 k, plane, t1 = 0, dqpn, psn = p->psn, ev = p->ev, crc, *pidx;
+	__u32 k, plane, t1 = 0, dqpn, psn = p->psn, ev = p->ev, crc, *pidx, back = 0;
 	__u8 peth[MRC_PETH_LEN], *d, *h, tc;
 	void *data, *data_end;
 
@@ -164,6 +187,13 @@ static __always_inline int probe_answer(struct xdp_md *ctx, struct mrc_pkt *p, s
 	if (!h)
 		return probe_bad();
 	__builtin_memcpy(peth, h, MRC_PETH_LEN);
+	/* back through the T1 the probe came through, when the prober named it */
+	if (peth[MRC_PETH_VI_OFF]) {
+		if (t)
+			t1 = peth[MRC_PETH_VI_OFF] - 1;
+		else
+			back = probe_back_ev(cid, c, plane, peth[MRC_PETH_VI_OFF] - 1);
+	}
 	if (bpf_xdp_adjust_tail(ctx, MRC_PANS_LEN - MRC_PROBE_LEN))
 		return probe_bad();
 	data = (void *)(long)ctx->data;
@@ -182,6 +212,10 @@ static __always_inline int probe_answer(struct xdp_md *ctx, struct mrc_pkt *p, s
 	d[PA_IP + 7] = 0xFF;
 	__builtin_memcpy(d + PA_IP + 8, p->daddr, 16);
 	__builtin_memcpy(d + PA_IP + 24, p->saddr, 16);
+	if (back) {                         /* ECMP: the way back's entropy, ICRC-covered */
+		d[PA_UDP + 0] = back >> 24;
+		d[PA_UDP + 1] = back >> 16;
+	}
 	d[PA_UDP + 4] = 0;
 	d[PA_UDP + 5] = MRC_PANS_PLEN;
 	d[PA_UDP + 6] = 0xFF;
@@ -222,8 +256,8 @@ static __always_inline int probe_answer(struct xdp_md *ctx, struct mrc_pkt *p, s
 	tc = cfg->dscp_ctrl << 2;
 	d[PA_IP + 0] = 0x60 | (tc >> 4);
 	d[PA_IP + 1] = tc << 4;
-	d[PA_IP + 2] = ev >> 8;
-	d[PA_IP + 3] = ev;
+	d[PA_IP + 2] = (back ? back : ev) >> 8;
+	d[PA_IP + 3] = back ? back : ev;
 	d[PA_IP + 7] = cfg->hop_limit;
 	d[PA_UDP + 6] = 0;
 	d[PA_UDP + 7] = 0;

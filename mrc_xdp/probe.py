@@ -55,16 +55,19 @@ class ProbeError(RuntimeError):
 
 
 def probe_frame(src: str, dst: str, dqpn: int, ev: int, psn: int, probe_id: int,
-                tx_ts: int = 0, udp_port: int = wire.UDP_PORT) -> bytes:
+                tx_ts: int = 0, udp_port: int = wire.UDP_PORT, t1: int | None = None) -> bytes:
     """A PROBE_REQ as mrc-wire.md lays it out (the same bytes as wire.probe_frame, built
-    without scapy): EV[31:16] in the UDP source port, EV[15:0] in the flow label."""
+    without scapy): EV[31:16] in the UDP source port, EV[15:0] in the flow label.  t1: the
+    T1 the EV goes through, put in PETH vendor_info (MRC_PETH_VI_OFF) as t1 + 1 so the
+    answer comes back through the same T1."""
+    vi = t1 + 1 if t1 is not None and 0 <= t1 < 255 else 0
     plen = 8 + 12 + 16 + 4
     ip6 = (struct.pack("!IHBB", 6 << 28 | (ev & 0xFFFF), plen, 17, 64) +
            ipaddress.IPv6Address(src).packed + ipaddress.IPv6Address(dst).packed +
            struct.pack("!HHHH", ev >> 16, udp_port, plen, 0) +
            struct.pack("!BBHB", 0xDE, 0, 0xFFFF, 0) + (dqpn & 0xFFFFFF).to_bytes(3, "big") +
            b"\0" + (psn & 0xFFFFFF).to_bytes(3, "big") +
-           struct.pack("!HBBHHHHHH", 0, 0, 0, probe_id & 0xFFFF, 0, 0, 0, tx_ts & 0xFFFF, 0))
+           struct.pack("!HBBHHHHHH", 0, 0, vi, probe_id & 0xFFFF, 0, 0, 0, tx_ts & 0xFFFF, 0))
     eth = bytes.fromhex(wire.DEFAULT_DMAC.replace(":", "")) + \
         bytes.fromhex(wire.DEFAULT_SMAC.replace(":", "")) + b"\x86\xdd"
     return eth + ip6 + wire.pack_icrc(wire.icrc(ip6))
@@ -85,6 +88,7 @@ class _Inst:
         self.probes = self.inst.map("mrc_probes")
         self.map_id = bpfsys.map_info(self.probes.fd).id
         self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
+        self.ev_t1: dict[int, int] = {}
 
         def mk():
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
@@ -106,6 +110,12 @@ class _Inst:
             return bpfsys.map_info(fd).id == self.map_id
         finally:
             os.close(fd)
+
+    def t1_of(self, ev: int) -> int | None:
+        """The T1 EV ev goes through (from the EV tables; re-read once when unknown)."""
+        if ev not in self.ev_t1:
+            self.ev_t1 = {r["ev"]: r["t1"] for r in self.inst.ev_table()}
+        return self.ev_t1.get(ev)
 
     def close(self):
         self.sock.close()
@@ -214,7 +224,8 @@ class Prober:
         try:
             for j, k, it, peer, qpn, ev in batch:
                 pid, psn, _ = self._take_id(it, peer, ev)
-                f = probe_frame(it.local, peer, qpn, ev, psn, pid, tx_ts=time.monotonic_ns() >> 10)
+                f = probe_frame(it.local, peer, qpn, ev, psn, pid, tx_ts=time.monotonic_ns() >> 10,
+                                t1=it.t1_of(ev))
                 # the entry's sent_ns was taken just before; the send follows at once
                 try:
                     it.sock.send(f)

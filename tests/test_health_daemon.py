@@ -68,10 +68,6 @@ def _subscribe(d, instance, seconds):
                             env=dict(os.environ, **d.env))
 
 
-@pytest.mark.xfail(strict=False, reason="known weakness, not yet fixed: around a T1 failure "
-                   "the loss rule (32 PSNs or the RTO) sometimes retires an EV of a live path or "
-                   "misses one of the dead T1's; this failed in about 1 quiet CI run of 3, so it "
-                   "may not fail CI until the time-based reorder window lands")
 def test_t1_blackhole_midtransfer(lab, daemon):
     """p0t1s1 fails at 25% of a 32 MiB transfer h0 -> h2: the transfer completes intact,
     the EVs of h0's connection to h2 through (plane 0, T1 1) are retired and no other;
@@ -90,17 +86,21 @@ def test_t1_blackhole_midtransfer(lab, daemon):
     tx = H.transfer(lab, "h0", "h2", 32 << 20, during=fail)
     assert failed and tx["rtx_pkts"] > 0
     rows = H.ev_rows(lab, "h0", "h2")
+    show = lambda rs: [(r["role"], r["plane"], r["t1"], r["state"], r["reason"]) for r in rs]
     bad = [r for r in rows if r["state"] == "ASSUMED_BAD"]
-    assert any((r["plane"], r["t1"]) == (0, 1) for r in bad), rows
+    assert any((r["plane"], r["t1"]) == (0, 1) for r in bad), show(rows)
     # An EV of a live path can be retired too, by a loss that the reordering around the
-    # failure made look real (seen in about 1 run of 3): the daemon's probes bring it back
-    # at once, while the dead T1's EVs stay retired.
+    # failure made look real: the daemon's probes bring it back at once, while the dead
+    # T1's EVs stay retired.  (An EV left in SKIP by an ECN echo at the end of the
+    # transfer is not retired: it sits out one rotation of the next transfer.)
+    retired = ("ASSUMED_BAD", "DENIED")
+
     def settled():
         rs = H.ev_rows(lab, "h0", "h2")
-        return rs if all(r["state"] == "GOOD" for r in rs if (r["plane"], r["t1"]) != (0, 1)) else None
+        return rs if not [r for r in rs if (r["plane"], r["t1"]) != (0, 1) and r["state"] in retired] else None
     rows = H.wait_for(settled, 3) or H.ev_rows(lab, "h0", "h2")
-    assert all(r["state"] == "GOOD" for r in rows if (r["plane"], r["t1"]) != (0, 1)), rows
-    assert any(r["state"] == "ASSUMED_BAD" for r in rows if (r["plane"], r["t1"]) == (0, 1)), rows
+    assert not [r for r in rows if (r["plane"], r["t1"]) != (0, 1) and r["state"] in retired], show(rows)
+    assert any(r["state"] == "ASSUMED_BAD" for r in rows if (r["plane"], r["t1"]) == (0, 1)), show(rows)
 
     outs = []
     for p in subs:

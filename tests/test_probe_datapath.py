@@ -24,9 +24,10 @@ from mrc_xdp.shared import EvReason, EvState, const, ffi
 QPN_PROBE = const("MRC_QPN_PROBE")
 
 
-def _probe(src, dst, dqpn, ev, psn=0x123456, probe_id=0x8765, **kw):
+def _probe(src, dst, dqpn, ev, psn=0x123456, probe_id=0x8765, vendor_info=0, **kw):
     return wire.probe_frame(src, dst, dqpn, psn, probe_id=probe_id, tx_ts=0xBEEF, ev=ev,
-                            peth={"spdcid": 0x1111, "dpdcid": 0x2222}, **kw)
+                            peth={"spdcid": 0x1111, "dpdcid": 0x2222, "vendor_info": vendor_info},
+                            **kw)
 
 
 def _backup_evs(env, cid):
@@ -141,6 +142,73 @@ def test_ingress_srv6_answer_is_encapsulated(srv6, plane, own_ev):
                      srv6_da(TEMPLATES["to_a"], plane, t1), HOP_LIMIT)
     assert out.hex() == want.hex()
     assert d == {"ing_rx": 1, "ing_decap": 1, "ing_probe": 1, "ing_probe_answered": 1}
+
+
+def _with_back_ev(answer: bytes, back: int) -> bytes:
+    """The answer with the way back's entropy: UDP sport = back[31:16] (ICRC-covered),
+    flow label = back[15:0]; the SETH still echoes the probed EV."""
+    f = bytearray(answer)
+    f[54:56] = (back >> 16).to_bytes(2, "big")
+    f[16:18] = (back & 0xFFFF).to_bytes(2, "big")
+    f[-4:] = wire.pack_icrc(wire.icrc(bytes(f[14:-4])))
+    return bytes(f)
+
+
+@pytest.mark.parametrize("plane", [0, 1])
+def test_ingress_srv6_answer_comes_back_through_the_named_t1(srv6, plane):
+    """PETH vendor_info = 1 + T1 (MRC_PETH_VI_OFF; our prober sets it): the answer's path
+    goes through that T1, whatever this side's EVs say, so a live path's probe is not
+    lost on a dead T1 of the way back."""
+    env = srv6
+    conn = env.conn(CONN_A)
+    vi = const("MRC_PETH_VI_OFF")
+    assert vi == 3
+    for t1 in range(conn.t1s):
+        ev = next(s.ev for s in env.ev_sets(CONN_A)[0][plane] if s.t1 != t1)   # says: the other T1
+        plain = _probe(PEER_A, LOCAL, QPN_A_LOCAL, ev, vendor_info=t1 + 1)
+        f = srv6_push(plain, "fcbb:bb00:300::1", LOCAL_SID[plane], 9)
+        ret, out = env.run("ingress", f, ifindex=env.ifindex["p%d" % plane])
+        assert ret == XDP_TX, xdp_name(ret)
+        want = srv6_push(probe_answer(plain, QPN_A_REMOTE, *env.plane_macs(plane)), SRV6_SRC[plane],
+                         srv6_da(TEMPLATES["to_a"], plane, t1), HOP_LIMIT)
+        assert out.hex() == want.hex()
+
+
+@pytest.mark.parametrize("plane", [0, 1])
+def test_ingress_ecmp_answer_comes_back_through_the_named_t1(ecmp, plane):
+    """ECMP: the answer to a probe naming T1 t1 takes the entropy of a GOOD active EV of
+    this side's connection on the arrival plane that goes through t1 (the fabric hashes
+    it there); none (an unknown T1) -> the probed EV, as without a hint."""
+    env = ecmp
+    conn = env.conn(CONN_A)
+    probed = 0x4D5A0102
+    for t1 in range(conn.t1s):
+        slots = [plane * conn.ev_per_plane + j for j in range(conn.ev_per_plane)]
+        back = next(env.ev_at(CONN_A, s).ev for s in slots if env.ev_at(CONN_A, s).t1 == t1)
+        f = _probe(PEER_A, LOCAL, QPN_A_LOCAL, probed, vendor_info=t1 + 1)
+        ret, out, d = env.run_counted("ingress", f, ifindex=env.ifindex["p%d" % plane])
+        assert ret == XDP_TX, xdp_name(ret)
+        assert d == {"ing_rx": 1, "ing_probe": 1, "ing_probe_answered": 1}
+        assert back != probed and wire.ev_of_frame(out) == back
+        assert wire.parse(out)[wire.SETH].entropy == probed
+        assert out.hex() == _with_back_ev(probe_answer(f, QPN_A_REMOTE, *env.plane_macs(plane)), back).hex()
+        assert wire.frame_icrc_ok(out)
+    # a T1 this side has no EV through: the probed EV comes back
+    f = _probe(PEER_A, LOCAL, QPN_A_LOCAL, probed, vendor_info=9)
+    ret, out = env.run("ingress", f, ifindex=env.ifindex["p%d" % plane])
+    assert ret == XDP_TX and out.hex() == probe_answer(f, QPN_A_REMOTE, *env.plane_macs(plane)).hex()
+
+
+def test_prober_names_the_t1_in_vendor_info():
+    """mrc_xdp.probe's frames carry 1 + T1 in PETH vendor_info (0 when unknown), else the
+    same bytes as wire's builder."""
+    from mrc_xdp import probe
+    for t1, vi in ((None, 0), (0, 1), (1, 2)):
+        f = probe.probe_frame(LOCAL, PEER_A, QPN_A_REMOTE, 0x12345678, 77, 0x4242, tx_ts=5, t1=t1)
+        w = wire.probe_frame(LOCAL, PEER_A, QPN_A_REMOTE, 77, probe_id=0x4242, tx_ts=5, ev=0x12345678,
+                             peth={"vendor_info": vi})
+        assert f == w
+        assert wire.parse(f)[wire.PETH].vendor_info == vi
 
 
 def test_ingress_answer_rate_limited(ecmp):
