@@ -9,7 +9,8 @@
  * again; ASSUMED_BAD and DENIED are never used (feedback swaps a retired EV for a
  * backup at once; one denied by the operator just leaves its plane with one EV fewer,
  * the plane's share of packets is unchanged).  A plane whose NIC is down (MRC_PF_DOWN in
- * mrc_planes, set by the health daemon) loses its turns: the round robin goes on over
+ * mrc_planes, set by the health daemon) or that the operator took out (MRC_PF_ADMIN,
+ * `mrc-xdp plane out`) loses its turns: the round robin goes on over
  * the planes that are up, so they share the traffic equally, and its EVs keep their
  * states.  Rotation state is per CPU, so the hot path has no atomics.
  */
@@ -47,12 +48,13 @@ static __always_inline __u32 rot_next(struct mrc_rot_plane *rp, struct mrc_conn 
 	return k;
 }
 
-/* Is plane p out of rotation (its NIC down)?  An inlined array lookup and a test. */
+/* Is plane p out of rotation (its NIC down, or the operator's)?  An inlined array lookup
+ * and a test. */
 static __always_inline int plane_off(__u32 p)
 {
 	struct mrc_plane *pl = mrc_planes.lookup(&p);
 
-	return pl && (pl->flags & MRC_PF_DOWN);
+	return pl && (pl->flags & MRC_PF_OUT);
 }
 
 /* One try in a plane: 1 = a GOOD slot, left in r->slot.  A SKIP EV met here has sat

@@ -211,6 +211,9 @@ struct mrc_plane {
 /* mrc_plane.flags */
 #define MRC_PF_DOWN          1   /* plane NIC down: spray uses none of the plane's EVs (the
                                   * other planes share its turns equally); EV states unchanged */
+#define MRC_PF_ADMIN         2   /* out of rotation by the operator (`mrc-xdp plane out`);
+                                  * the daemon never touches it */
+#define MRC_PF_OUT           3   /* either: spray passes the plane's turns on */
 
 #define MRC_DIR_TX 0   /* key: peer address + the peer's (destination) QPN */
 #define MRC_DIR_RX 1   /* key: peer address + our QPN (feedback and data to us) */

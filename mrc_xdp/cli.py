@@ -194,6 +194,7 @@ def cmd_status(args):
             st = dict(inst.state)
             st["active_evs_by_state"] = by_state
             st["planes_down"] = inst.planes_down()
+            st["plane_rotation"] = inst.plane_rows()
             st["counters"] = {k: v for k, v in inst.counters().items() if v}
             st["qps"] = _engine_qps(n)
             out.append(st)
@@ -208,10 +209,11 @@ def cmd_status(args):
                 s.get("local_addr")))
             print("  spray    %s (%s)" % (s.get("fabric_dev"), s.get("xdp_modes", {}).get(s.get("fabric_dev"))))
             print("  engine   %s (%s)" % (s.get("app_dev"), s.get("xdp_modes", {}).get(s.get("app_dev"))))
+            rot = s.get("plane_rotation", [])
             for i, p in enumerate(s.get("planes", [])):
                 print("  plane %d  %s ingress (%s), next hop %s%s" % (
                     i, p["dev"], s.get("xdp_modes", {}).get(p["dev"]), p["gateway_mac"],
-                    "  OUT OF ROTATION (link down)" if i < len(s.get("planes_down", [])) and s["planes_down"][i] else ""))
+                    _out_of_rotation(rot[i]) if i < len(rot) else ""))
             print("  %d connections; active EVs: %s" % (len(s.get("connections", [])), ", ".join(
                 "%d %s" % (v, k) for k, v in sorted(s["active_evs_by_state"].items())) or "none"))
             c = s["counters"]
@@ -239,6 +241,31 @@ def _parse_ev(s: str) -> int:
     if not 0 <= v <= 0xFFFFFFFF:
         raise CliError("EV %r: must fit in 32 bits" % s)
     return v
+
+
+def _out_of_rotation(row: dict) -> str:
+    why = [w for w, on in (("link down", row["link_down"]), ("operator", row["operator_out"])) if on]
+    return "  OUT OF ROTATION (%s)" % ", ".join(why) if why else ""
+
+
+def cmd_plane(args):
+    with _open(args) as inst:
+        if args.plane_cmd != "list":
+            try:
+                changed = inst.set_plane_out(args.plane, args.plane_cmd == "out")
+            except KeyError as e:
+                raise CliError(str(e.args[0])) from None
+        rows = inst.plane_rows()
+    if args.plane_cmd == "list":
+        _out(args, rows, lambda rs: [print("plane %d  %-10s %s" % (
+            r["plane"], r["dev"], "in rotation" if r["in_rotation"] else _out_of_rotation(r).strip()))
+            for r in rs])
+        return
+    row = dict(rows[args.plane], changed=changed)
+    _out(args, row, lambda r: print("plane %d (%s): %s%s" % (
+        r["plane"], r["dev"], "in rotation" if r["in_rotation"] else _out_of_rotation(r).strip(),
+        "" if r["changed"] else " (unchanged)") + (
+        " -- still out: its link is down" if args.plane_cmd == "in" and r["link_down"] else "")))
 
 
 def cmd_ev(args):
@@ -518,6 +545,22 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--conn", type=int, help="connection id, if the EV is in several sets")
         inst(e); js(e)
     sp.set_defaults(fn=cmd_ev)
+
+    sp = sub.add_parser("plane", help="list planes; take one out of rotation or put it back",
+                        description="A plane out of rotation sends nothing: spray passes its turns to "
+                        "the other planes, which share the traffic equally; its EVs keep their states. "
+                        "`out`/`in` are the operator's (e.g. before maintenance on a plane's switches); "
+                        "the health daemon takes a plane out on its own while its NIC is down, and "
+                        "`in` does not override that.")
+    psub = sp.add_subparsers(dest="plane_cmd", metavar="ACTION", required=True)
+    e = psub.add_parser("list", help="every plane and whether spray uses it")
+    inst(e); js(e)
+    for name, hlp in (("out", "take a plane out of rotation (operator)"),
+                      ("in", "put a plane the operator took out back into rotation")):
+        e = psub.add_parser(name, help=hlp)
+        e.add_argument("plane", type=int, help="plane number, e.g. 0")
+        inst(e); js(e)
+    sp.set_defaults(fn=cmd_plane)
 
     sp = sub.add_parser("stats", help="counters, plane shares and the per-EV table",
                         description="Counters by name, per-plane and per-EV packet shares. --watch N refreshes "

@@ -486,15 +486,39 @@ class Instance:
                             "reload it (`mrc-xdp load`)" % self.name)
         return mp
 
-    def planes_down(self) -> list[bool]:
-        """Per configured plane: True while it is out of rotation (MRC_PF_DOWN); [] for an
-        instance loaded by an older mrc-xdp (no flags)."""
+    def plane_flags(self) -> list[int]:
+        """Per configured plane: its MRC_PF_* flags; [] for an instance loaded by an older
+        mrc-xdp (no flags)."""
         try:
-            mp, down = self._planes_map(), const("MRC_PF_DOWN")
+            mp = self._planes_map()
         except NotLoaded:
             return []
-        return [bool(ffi.cast("struct mrc_plane *", ffi.from_buffer(mp.lookup(p))).flags & down)
+        return [ffi.cast("struct mrc_plane *", ffi.from_buffer(mp.lookup(p))).flags
                 for p in range(len(self.state.get("planes", [])))]
+
+    def planes_down(self) -> list[bool]:
+        """Per configured plane: True while it is out of rotation (MRC_PF_DOWN: its NIC is
+        down, or MRC_PF_ADMIN: the operator's); [] for an instance of an older mrc-xdp."""
+        out = const("MRC_PF_OUT")
+        return [bool(f & out) for f in self.plane_flags()]
+
+    def plane_rows(self) -> list[dict]:
+        """Per configured plane: plane, dev, link_down, operator_out, in_rotation."""
+        flags = self.plane_flags()
+        rows = []
+        for p, pl in enumerate(self.state.get("planes", [])):
+            f = flags[p] if p < len(flags) else 0
+            rows.append({"plane": p, "dev": pl.get("dev"), "link_down": bool(f & const("MRC_PF_DOWN")),
+                         "operator_out": bool(f & const("MRC_PF_ADMIN")), "in_rotation": not f & const("MRC_PF_OUT")})
+        return rows
+
+    def set_plane_out(self, plane: int, out: bool) -> bool:
+        """The operator takes a plane out of spray's rotation (MRC_PF_ADMIN) or puts it
+        back; the health daemon's link flag is separate.  True when the flag changed."""
+        if not 0 <= plane < len(self.state.get("planes", [])):
+            raise KeyError("plane %d is not configured in %s (planes 0-%d)" % (
+                plane, self.name, len(self.state.get("planes", [])) - 1))
+        return set_plane_down(self._planes_map(), plane, out, bit=const("MRC_PF_ADMIN"))
 
     def set_plane_down(self, plane: int, down: bool) -> bool:
         """Take a plane out of spray's rotation (its EVs unused, their states unchanged; the
@@ -504,10 +528,12 @@ class Instance:
         return set_plane_down(self._planes_map(), plane, down)
 
 
-def set_plane_down(planes, plane: int, down: bool) -> bool:
-    """MRC_PF_DOWN of one mrc_planes entry (planes: the map) set or cleared; True when
-    it changed.  Only the health daemon writes it after load (no lock needed)."""
-    bit = const("MRC_PF_DOWN")
+def set_plane_down(planes, plane: int, down: bool, bit: int | None = None) -> bool:
+    """MRC_PF_DOWN (or bit) of one mrc_planes entry (planes: the map) set or cleared; True
+    when it changed.  After load only the health daemon writes MRC_PF_DOWN and only the
+    operator MRC_PF_ADMIN (a read-modify-write of a whole entry: two writers at the same
+    instant could lose one change; each re-checks, the daemon every second)."""
+    bit = const("MRC_PF_DOWN") if bit is None else bit
     p = ffi.new("struct mrc_plane *")
     ffi.memmove(p, planes.lookup(plane), sizeof("struct mrc_plane"))
     new = (p.flags | bit) if down else (p.flags & ~bit)

@@ -87,7 +87,7 @@ def render(instances: list[str] | None = None) -> str:
     out += ["# HELP mrc_ev_state Current state of each EV (1 for the state it is in).",
             "# TYPE mrc_ev_state gauge"] + st_lines
     out += ["# HELP mrc_plane_in_rotation 1 while spray uses the plane, 0 while it is out of rotation "
-            "(its NIC down).", "# TYPE mrc_plane_in_rotation gauge"] + pl_lines
+            "(its NIC down, or taken out by the operator).", "# TYPE mrc_plane_in_rotation gauge"] + pl_lines
     out += _qp_lines(instances if instances is not None else maps.instances())
     out += ["# HELP mrc_rx_ev_packets_total Data packets received, per sender EV.",
             "# TYPE mrc_rx_ev_packets_total counter"] + rx_lines

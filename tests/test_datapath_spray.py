@@ -444,6 +444,25 @@ def test_spray_plane_out_of_rotation_shares_equally(datapath, down):
     env.use("ecmp")
 
 
+def test_spray_plane_taken_out_by_the_operator(datapath):
+    """MRC_PF_ADMIN (`mrc-xdp plane out`) takes a plane out like MRC_PF_DOWN; the two bits
+    are separate: the daemon clearing its link flag does not put it back."""
+    from mrc_xdp import maps as libmaps
+    env = datapath
+    _use_planes(env, N_PLANES4)
+    admin, down = const("MRC_PF_ADMIN"), const("MRC_PF_DOWN")
+    assert admin & const("MRC_PF_OUT") and down & const("MRC_PF_OUT") and not admin & down
+    mp = env.maps["mrc_planes"]
+    assert libmaps.set_plane_down(mp, 3, True, bit=admin)
+    assert libmaps.set_plane_down(mp, 3, True) and libmaps.set_plane_down(mp, 3, False)
+    planes, _ = _spray_planes(env, 600)
+    assert dict(planes) == {0: 200, 1: 200, 2: 200}, planes
+    assert libmaps.set_plane_down(mp, 3, False, bit=admin)
+    planes, _ = _spray_planes(env, 600)
+    assert dict(planes) == {p: 150 for p in range(4)}, planes
+    env.use("ecmp")
+
+
 def test_spray_plane_out_of_rotation_fallback_and_all_down(datapath):
     """3 planes, every EV of plane 0 denied: its turns go to the next plane and the round
     robin goes on after that one, so planes 1 and 2 share equally.  Plane 1 down as well:

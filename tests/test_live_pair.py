@@ -256,6 +256,37 @@ def test_load_spray_feedback_unload(pair):
             assert "prog/xdp" not in out, (ns, dev, out)
 
 
+def test_plane_out_and_in_by_the_operator(pair):
+    """`mrc-xdp plane out N` takes plane N out of spray's rotation (MRC_PF_ADMIN; the
+    daemon's link flag is another bit), status/stats/list say so, the other plane carries
+    every packet, `plane in N` puts it back; a plane not configured is one line."""
+    cli("load", "--config", pair["ta"], "--netns", pair["a"])
+    try:
+        rows = json.loads(cli("plane", "list", "-i", pair["ia"], "--json").stdout)
+        assert [(r["plane"], r["in_rotation"]) for r in rows] == [(0, True), (1, True)]
+        r = json.loads(cli("plane", "out", "1", "-i", pair["ia"], "--json").stdout)
+        assert (r["plane"], r["in_rotation"], r["operator_out"], r["link_down"], r["changed"]) == (1, False, True, False, True)
+        assert "(unchanged)" in cli("plane", "out", "1", "-i", pair["ia"]).stdout
+        assert "OUT OF ROTATION (operator)" in cli("status", "-i", pair["ia"]).stdout
+        assert stats(pair["ia"])["planes"].get("1", {"out_of_rotation": True})["out_of_rotation"]
+        before = stats(pair["ia"])["evs"]
+        tx = Sender("mrc0", A_ADDR, B_ADDR, QB, ns=pair["a"], payload=64)
+        try:
+            assert tx.send(200, pps=20000) == 200
+        finally:
+            tx.close()
+        after = stats(pair["ia"])["evs"]
+        sent = {p: sum(a["tx_pkts"] - b["tx_pkts"] for a, b in zip(after, before) if a["plane"] == p) for p in (0, 1)}
+        assert sent == {0: 200, 1: 0}, sent
+        assert "in rotation" in cli("plane", "in", "1", "-i", pair["ia"]).stdout
+        rows = json.loads(cli("plane", "list", "-i", pair["ia"], "--json").stdout)
+        assert all(r["in_rotation"] for r in rows)
+        r = cli("plane", "out", "7", "-i", pair["ia"], check=False)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "plane 7" in r.stderr
+    finally:
+        cli("unload", "--instance", pair["ia"], check=False)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('local_addr = "fd00::1"\n[[planes]]\ndev = "p0"\ngateway_mac = "zz"\n')
