@@ -169,9 +169,14 @@ def _counters(ex, prefix, host):
 
 
 def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
+    """(h0's loss threshold is 4 here, not 1: a TCG switch VM stalled for a few hundred ms
+    under load makes the frames behind it look lost, and one such stall retired most of
+    plane 1's EVs in the healthy phase once ({0: 518, 1: 82}); a dead plane's EVs still
+    lose far more than 4 frames each.)"""
     prefix, topo, st = vmlab
     execs = vm.execs_of(st)
     h0, h1 = topo.host("h0"), topo.host("h1")
+    saved = execs["h0"].call("datapath_config", instance=instance_name(prefix, "h0"), changes={"loss_thresh": 4})
     rx_args = dict(local=h1.addr, peer=h0.addr, local_qpn=qpn(1, 0), peer_qpn=qpn(0, 1),
                    expect=10**9, seconds=600, ready="/run/mrc-rx.ready", stop="/run/mrc-rx.stop")
     res = {}
@@ -246,6 +251,7 @@ def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
         assert got > n // 2, got
     finally:
         execs["h1"].run(["touch", rx_args["stop"]], check=False)
+        execs["h0"].call("datapath_config", instance=instance_name(prefix, "h0"), changes=saved)
         th.join(timeout=60)
     assert "err" not in res, res.get("err")
 
@@ -314,23 +320,33 @@ def _engine_transfer(execs, prefix, st, tag, timeout=60):
 def test_vm_engine_transfer_over_both_planes_then_with_a_switch_failed(vmlab):
     """The transport engine in the guests: a file h0 -> h1 verified by hash, sprayed over
     both planes; then again with the plane-1 switch VM frozen: it completes intact over
-    plane 0 (the datapath retires the EVs that lose packets, the engine resends)."""
+    plane 0 (the datapath retires the EVs that lose packets, the engine resends).
+
+    Under TCG a busy guest's virtio queue overflows now and then (~1-2% of the frames of
+    a transfer here, on every path alike: no path's fault), and with loss_thresh 1 each
+    loss retires an EV: with no health daemon to resurrect them, every EV was retired
+    and the QP hit its retry limit in 7 of 8 tries.  As the netns lab's random-loss cases
+    do, the loss threshold is raised for these transfers (16 losses per EV: a dead
+    plane's EVs lose every packet and are still retired within a few hundred)."""
     prefix, topo, st = vmlab
     execs = vm.execs_of(st)
-    sent, planes = _engine_transfer(execs, prefix, st, "healthy")
-    pkts = sent["qp_stats"]["tx_pkts"]
-    # both planes carried data (TCG reorders across the two switch VMs by milliseconds, so
-    # the loss rule retires some EVs and the split is uneven: the even split is checked
-    # with steady traffic in the spray test above)
-    assert sorted(planes) == [0, 1] and min(planes.values()) >= 0.01 * pkts, (planes, pkts)
-
-    loss0 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
-    vm.fail(prefix, "p1t0s0")
+    saved = {h: execs[h].call("datapath_config", instance=instance_name(prefix, h), changes={"loss_thresh": 16})
+             for h in ("h0", "h1")}
     try:
-        sent, planes = _engine_transfer(execs, prefix, st, "p1-failed")
-        loss1 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
+        sent, planes = _engine_transfer(execs, prefix, st, "healthy")
+        pkts = sent["qp_stats"]["tx_pkts"]
+        assert sorted(planes) == [0, 1] and min(planes.values()) >= 0.25 * pkts, (planes, pkts)
+
+        loss0 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
+        vm.fail(prefix, "p1t0s0")
+        try:
+            sent, planes = _engine_transfer(execs, prefix, st, "p1-failed")
+            loss1 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
+        finally:
+            vm.heal(prefix, "p1t0s0")
     finally:
-        vm.heal(prefix, "p1t0s0")
+        for h, old in saved.items():
+            execs[h].call("datapath_config", instance=instance_name(prefix, h), changes=old)
     # plane 0 carried the whole file; the frames sprayed into the dead plane were lost
     # (counted by h0's datapath from h1's SACKs) and resent
     assert planes[0] >= (XFER_MIB << 20) // 1500, planes

@@ -230,6 +230,22 @@ def link_counters(pin_dir: str, ifnames: list) -> dict:
         return {n: lm.counters(_ifindex(n)) for n in ifnames}
 
 
+def datapath_config(instance: str, changes: dict) -> dict:
+    """On a host: change run-time fields of the datapath's mrc_config (e.g. loss_thresh);
+    returns their previous values (to restore them)."""
+    from ..maps import Instance
+    from ..shared import ffi, to_bytes
+    with Instance(instance) as inst:
+        c = ffi.new("struct mrc_config *")
+        raw = inst.map("mrc_cfg").lookup(0)
+        ffi.memmove(c, raw, len(raw))
+        old = {k: getattr(c, k) for k in changes}
+        for k, v in changes.items():
+            setattr(c, k, int(v))
+        inst.map("mrc_cfg").update(0, to_bytes(c))
+    return old
+
+
 def link_update(pin_dir: str, ifnames: list, changes: dict) -> dict:
     """On a VM: `lab link set` / `fail` / `heal` at this node's receiving ends: the link
     model's LinkModel.update (the netns lab's call), by interface name."""
@@ -276,7 +292,8 @@ def traffic_send(local: str, peer: str, dqpn: int, count: int, pps: float, paylo
 
 
 AGENT = {"traffic_receive": traffic_receive, "traffic_send": traffic_send, "wire_vm": wire_vm, "vm_datapaths": vm_datapaths, "vm_unload": vm_unload,
-         "counters": counters, "link_counters": link_counters, "link_update": link_update}
+         "counters": counters, "link_counters": link_counters, "link_update": link_update,
+         "datapath_config": datapath_config}
 
 
 def main(argv=None) -> int:
