@@ -181,6 +181,16 @@ out:
 	 * on packets that met one. */
 	if (r->bad1 && c->backup_per_plane && ev_replace(cid, c, r->bad1 - 1) > 0)
 		ctr_inc(MRC_C_SPRAY_SWAP);
+	/* No GOOD EV on any plane in rotation: send on the first retired EV met (or the
+	 * backup just swapped into its slot) rather than drop.  A retired EV may well be
+	 * alive (loss retires on one lost packet); without a health daemon to probe them
+	 * back, random loss would otherwise retire every EV and the connection could never
+	 * send again.  Never a DENIED EV, never a plane out of rotation. */
+	if (!found && r->bad1) {
+		r->slot = r->bad1 - 1;
+		ctr_inc(MRC_C_SPRAY_LAST_RESORT);
+		found = 1;
+	}
 	return found ? r : 0;
 }
 

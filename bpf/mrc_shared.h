@@ -424,6 +424,8 @@ enum mrc_ctr {
 	MRC_C_ING_PROBE_ANS_UNKNOWN,/* probe answer matching no probe in flight: dropped */
 	MRC_C_EVOP,                 /* EV state set by user space (mrc_evop) */
 	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
+	MRC_C_SPRAY_LAST_RESORT,    /* no GOOD EV on any plane in rotation: sent on a retired
+	                             * (ASSUMED_BAD) EV rather than dropped */
 	MRC_C_MAX,
 };
 

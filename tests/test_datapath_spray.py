@@ -185,6 +185,36 @@ def test_spray_no_usable_ev_drops(ecmp):
     assert d == {"spray_rx": 1, "spray_no_ev": 1}
 
 
+def test_spray_last_resort_on_a_retired_ev(ecmp):
+    """Every EV retired (ASSUMED_BAD; connection B has no backups) and no daemon to probe
+    them back: spray sends on a retired EV rather than drop (spray_last_resort), states
+    unchanged, so random loss cannot cut a connection off for good.  One GOOD EV back:
+    only it is used.  DENIED EVs are never a last resort (test above)."""
+    env = ecmp
+    evs = env.active_evs(CONN_B)
+    for ev in evs:
+        env.set_state(CONN_B, ev, EvState.ASSUMED_BAD)
+    used = set()
+    for i in range(2 * len(evs)):
+        ret, out, d = env.run_counted("spray", data(i, CONN_B))
+        assert ret == XDP_REDIRECT, xdp_name(ret)
+        assert d["spray_last_resort"] == 1 and d["spray_tx"] == 1 and "spray_no_ev" not in d
+        used.add(wire.ev_of_frame(out))
+    assert used <= set(evs) and len(used) > 1
+    assert all(env.state(CONN_B, ev) == EvState.ASSUMED_BAD for ev in evs)
+    env.set_state(CONN_B, evs[2], EvState.GOOD)
+    on_good = 0
+    for i in range(4 * len(evs)):
+        ret, out, d = env.run_counted("spray", data(100 + i, CONN_B))
+        assert ret == XDP_REDIRECT
+        if wire.ev_of_frame(out) == evs[2]:
+            on_good += 1
+            assert "spray_last_resort" not in d
+        else:           # a turn whose tries missed the one GOOD EV
+            assert d["spray_last_resort"] == 1
+    assert on_good >= 2 * len(evs)
+
+
 def test_spray_plane_without_nic_drops(ecmp):
     from mrc_xdp import shared
     for p in (0, 1):
