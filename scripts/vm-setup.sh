@@ -15,21 +15,8 @@ die() { printf 'vm-setup: error: %s\n' "$*" >&2; exit 1; }
 APT_PKGS=(qemu-system-x86 qemu-utils debootstrap e2fsprogs openssh-client git   # image, QEMU runner
           vagrant vagrant-libvirt libvirt-daemon-system libvirt-clients          # Vagrant runner
           dnsmasq-base ebtables iptables)
-missing=()
-installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${APT_PKGS[@]}" 2>/dev/null || true)
-for p in "${APT_PKGS[@]}"; do
-    awk -v p="$p" '$1 == p && $2 == "ii" { found = 1 } END { exit !found }' <<<"$installed" \
-        || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    say "installing apt packages: ${missing[*]}"
-    { apt-get -o DPkg::Lock::Timeout=300 update -q \
-      && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
-             --no-install-recommends "${missing[@]}"; } >"$LOG" 2>&1 \
-        || { tail -n 15 "$LOG" >&2; die "apt-get install ${missing[*]} failed (log: $LOG)"; }
-else
-    say "apt packages: all ${#APT_PKGS[@]} present"
-fi
+. scripts/lib.sh
+apt_ensure "$LOG" "${APT_PKGS[@]}"
 # the guest kernel (Debian's 7.x: its verifier accepts the datapath), cached and shared
 # with the kernel matrix
 .venv/bin/python tools/kmatrix.py fetch "${MRC_VM_KERNEL:-7}" >/dev/null \
