@@ -7,11 +7,14 @@
   addresses and routes (with the lab control path) equal a netns lab's built from the same
   topology; a host sprays over both planes (datapath counters, traffic.Sender/Receiver);
   a switch VM fails (frozen) and the sender's datapath retires that plane's EVs;
-- the transport engine in the guests: `mrc-xdp send` / `recv` of a 4 MiB file h0 -> h1
-  (TCP bootstrap over the lab control path), verified by sha256, over both planes, then
-  again intact with the plane-1 switch VM frozen (adds ~30-60 s under TCG);
-- `mrc-xdp lab link set` / `lab heal` on the VM lab (the link model in the switch VM,
-  changed over SSH): a blackholed end stops pings, the heal restores them;
+- two scenarios run on both targets, the netns lab and the QEMU lab (fixture `lab_on`,
+  the same topology, node set-up code and executors):
+  - the transport engine on the hosts: `mrc-xdp send` / `recv` of a 4 MiB file h0 -> h1
+    (TCP bootstrap over the lab control path), verified by sha256, over both planes, then
+    again intact with the plane-1 switch failed (netns: its links blackholed; VMs: the
+    switch VM frozen; adds ~30-60 s under TCG);
+  - `mrc-xdp lab link set` / `lab heal` (the link model in the node that receives on the
+    end; on VMs changed over SSH): a blackholed end stops pings, the heal restores them;
 - `vagrant up` / `vagrant destroy` of 2 VMs (vagrant-libvirt, a UDP-tunnel link), the
   same node set-up minus bcc, a ping over the link; libvirtd/virtlogd started and stopped.
 
@@ -268,13 +271,16 @@ def _nic_tx(ex):
     return {int(ln["ifname"][1:]): ln["stats64"]["tx"]["packets"] for ln in j if ln["ifname"] in ("p0", "p1")}
 
 
-def _engine_transfer(execs, prefix, st, tag, timeout=60):
-    """XFER_MIB random MiB h0 -> h1 with the transport engine running in the guests:
-    `mrc-xdp recv` on h1, `mrc-xdp send` on h0 (TCP bootstrap to h1's control address
-    over plane 0, the lab control path; data by RDMA Write over AF_XDP on mrc0, sprayed
-    by the datapath).  Verified by the engine's sha256 on both sides and by sha256sum of
-    the file on each VM.  Returns (send result, packets h0 sent per plane NIC)."""
-    src, rxdir = "/tmp/xfer-%s.bin" % tag, "/tmp/xfer-rx-%s" % tag
+def _engine_transfer(lab, tag, timeout=60):
+    """XFER_MIB random MiB h0 -> h1 with the transport engine running on the lab's hosts
+    (namespaces or guests): `mrc-xdp recv` on h1, `mrc-xdp send` on h0 (TCP bootstrap to
+    h1's control address over plane 0, the lab control path; data by RDMA Write over
+    AF_XDP on mrc0, sprayed by the datapath).  Verified by the engine's sha256 on both
+    sides and by sha256sum of the file on each node.  Returns (send result, packets h0
+    sent per plane NIC)."""
+    execs, prefix, GUEST_CLI = lab["execs"], lab["prefix"], lab["cli"]
+    st = {"control": lab["control"]}
+    src, rxdir = "/tmp/xfer-%s-%s.bin" % (TAG, tag), "/tmp/xfer-rx-%s-%s" % (TAG, tag)
     execs["h0"].run(["sh", "-c", "head -c %d /dev/urandom > %s" % (XFER_MIB << 20, src)])
     execs["h1"].run(["mkdir", "-p", rxdir])
     before = _nic_tx(execs["h0"])
@@ -293,7 +299,7 @@ def _engine_transfer(execs, prefix, st, tag, timeout=60):
         el = time.monotonic() - t0
         th.join(timeout=10)
         if th.is_alive():       # the receiver waits for a sender that failed: end it
-            execs["h1"].run(["pkill", "-x", "mrc-xdp"], check=False)
+            execs["h1"].run(["pkill", "-f", rxdir], check=False)
             th.join(timeout=30)
     rx = res.get("rx")
     assert tx.returncode == 0, "send: %s" % (tx.stderr.strip() or tx.stdout.strip())
@@ -310,17 +316,47 @@ def _engine_transfer(execs, prefix, st, tag, timeout=60):
     execs["h1"].run(["rm", "-rf", rxdir])
     after = _nic_tx(execs["h0"])
     planes = {p: after[p] - before[p] for p in sorted(after)}
-    say("engine transfer %s: %d MiB in %.1fs (send+recv commands %.1fs), %d packets (%d retransmitted, "
+    say("engine transfer %s (%s): %d MiB in %.1fs (send+recv commands %.1fs), %d packets (%d retransmitted, "
         "%d RTO), per plane NIC %s, sha256 %s..."
-        % (tag, XFER_MIB, sent["seconds"], el, sent["qp_stats"]["tx_pkts"], sent["qp_stats"]["rtx_pkts"],
+        % (tag, lab["target"], XFER_MIB, sent["seconds"], el, sent["qp_stats"]["tx_pkts"], sent["qp_stats"]["rtx_pkts"],
            sent["qp_stats"]["rtx_timeout"], planes, sent["sha256"][:16]))
     return sent, planes
 
 
-def test_vm_engine_transfer_over_both_planes_then_with_a_switch_failed(vmlab):
-    """The transport engine in the guests: a file h0 -> h1 verified by hash, sprayed over
-    both planes; then again with the plane-1 switch VM frozen: it completes intact over
-    plane 0 (the datapath retires the EVs that lose packets, the engine resends).
+@pytest.fixture(scope="module", params=["netns", "qemu"])
+def lab_on(request):
+    """The CI topology on a target, for the scenarios that run on both: `netns` (network
+    namespaces of this machine, `lab up`'s default) or `qemu` (the VM lab above).  Both
+    are built by the same node set-up code; a scenario sees executors per node, the lab
+    control path, the mrc-xdp CLI on the nodes and how to fail / heal a switch (netns:
+    every end of its links blackholed in the link model; VMs: the switch VM frozen)."""
+    if request.param == "qemu":
+        prefix, topo, st = request.getfixturevalue("vmlab")
+        yield {"target": "qemu", "prefix": prefix, "topo": topo, "execs": vm.execs_of(st),
+               "control": st["control"], "cli": GUEST_CLI, "fail": vm.fail, "heal": vm.heal}
+        return
+    from mrc_xdp.lab import cli as lab_cli
+    from mrc_xdp.lab import hosts
+    from mrc_xdp.lab.executor import NetnsNode
+    prefix = "mt%s-" % TAG
+    try:
+        st = fabric.up(from_dict(CI_TOPO), prefix=prefix, hosts_hook=hosts.fabric_hook)
+        topo = fabric.topology_of(st)
+        yield {"target": "netns", "prefix": prefix, "topo": topo,
+               "execs": {n: NetnsNode(n, prefix + n) for n in topo.nodes},
+               "control": bootstrap.lab_control_path(prefix, topo),
+               "cli": os.path.join(os.path.dirname(os.sys.executable), "mrc-xdp"),
+               "fail": lab_cli.fail, "heal": lab_cli.heal}
+    finally:
+        fabric.down(prefix, unload_hosts=hosts.unload_all)
+    assert fabric.leftovers(prefix) == {"netns": [], "pins": [], "state_file": []}
+
+
+def test_engine_transfer_over_both_planes_then_with_a_switch_failed(lab_on):
+    """On both targets: the transport engine on the hosts, a file h0 -> h1 verified by
+    hash, sprayed over both planes; then again with the plane-1 switch failed: it
+    completes intact over plane 0 (the datapath retires the EVs that lose packets, the
+    engine resends).
 
     Under TCG a busy guest's virtio queue overflows now and then (~1-2% of the frames of
     a transfer here, on every path alike: no path's fault), and with loss_thresh 1 each
@@ -328,22 +364,22 @@ def test_vm_engine_transfer_over_both_planes_then_with_a_switch_failed(vmlab):
     and the QP hit its retry limit in 7 of 8 tries.  As the netns lab's random-loss cases
     do, the loss threshold is raised for these transfers (16 losses per EV: a dead
     plane's EVs lose every packet and are still retired within a few hundred)."""
-    prefix, topo, st = vmlab
-    execs = vm.execs_of(st)
+    lab = lab_on
+    prefix, execs = lab["prefix"], lab["execs"]
     saved = {h: execs[h].call("datapath_config", instance=instance_name(prefix, h), changes={"loss_thresh": 16})
              for h in ("h0", "h1")}
     try:
-        sent, planes = _engine_transfer(execs, prefix, st, "healthy")
+        sent, planes = _engine_transfer(lab, "healthy")
         pkts = sent["qp_stats"]["tx_pkts"]
         assert sorted(planes) == [0, 1] and min(planes.values()) >= 0.25 * pkts, (planes, pkts)
 
         loss0 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
-        vm.fail(prefix, "p1t0s0")
+        lab["fail"](prefix, "p1t0s0")
         try:
-            sent, planes = _engine_transfer(execs, prefix, st, "p1-failed")
+            sent, planes = _engine_transfer(lab, "p1-failed")
             loss1 = _counters(execs["h0"], prefix, "h0")["counters"]["ing_loss"]
         finally:
-            vm.heal(prefix, "p1t0s0")
+            lab["heal"](prefix, "p1t0s0")
     finally:
         for h, old in saved.items():
             execs[h].call("datapath_config", instance=instance_name(prefix, h), changes=old)
@@ -354,18 +390,39 @@ def test_vm_engine_transfer_over_both_planes_then_with_a_switch_failed(vmlab):
 
 
 # ---------------------------------------------------------------- `lab link set` / `lab heal` on VMs
-def test_vm_lab_link_set_and_heal(vmlab):
-    """`mrc-xdp lab link set` and `lab heal` on the VM lab: the CLI changes the link model
-    in the VM that receives on the end (here p0t0s0's port h0), over SSH; a blackhole
-    there stops h0's pings to its plane-0 switch, the heal restores them."""
-    prefix, topo, st = vmlab
-    execs = vm.execs_of(st)
+PING6 = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.settimeout(0.5)
+for seq in range(2):
+    s.sendto(bytes([128, 0, 0, 0, 0x4d, 0x52, 0, seq]) + b"mrc-xdp", (sys.argv[1], 0))
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        try:
+            d, a = s.recvfrom(1500)
+        except socket.timeout:
+            continue
+        if d[0] == 129 and d[4:6] == bytes([0x4d, 0x52]):
+            sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_lab_link_set_and_heal(lab_on):
+    """`mrc-xdp lab link set` and `lab heal`, on both targets: the CLI changes the link
+    model in the node that receives on the end (here p0t0s0's port h0; on VMs over SSH);
+    a blackhole there stops h0's pings to its plane-0 switch, the heal restores them.
+    On VMs only p0t0s0 has a link model: the other ends are named, not skipped silently."""
+    prefix, topo, execs = lab_on["prefix"], lab_on["topo"], lab_on["execs"]
     cli = [os.path.join(os.path.dirname(os.sys.executable), "mrc-xdp"), "lab"]
     gw = topo.gateway("h0", 0).addr
     end = "h0>%s" % LM_NODE
 
     def ping():
-        return execs["h0"].run(["ping", "-6", "-c", "2", "-i", "0.5", "-W", "3", gw], check=False).returncode
+        if lab_on["target"] == "qemu":
+            return execs["h0"].run(["ping", "-6", "-c", "2", "-i", "0.5", "-W", "3", gw], check=False).returncode
+        # this machine has no ping(8): two ICMPv6 echo requests from a raw socket in h0
+        return execs["h0"].run([os.sys.executable, "-c", PING6, gw], check=False).returncode
 
     def lm_port():
         return execs[LM_NODE].call("link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"])["h0"]
@@ -378,18 +435,21 @@ def test_vm_lab_link_set_and_heal(vmlab):
         assert ping() != 0
         d1 = sum(v for k, v in lm_port().items() if k.startswith("drop_"))
         assert d1 >= d0 + 2, (d0, d1)
-        # a link's other direction ends at h0, which has no link model: named, not silently skipped
-        p = subprocess.run(cli + ["link", "set", "h0-%s" % LM_NODE, "rate", "100M", "--prefix", prefix],
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0 and "not modelled" in p.stderr and "%s>h0" % LM_NODE in p.stderr, p.stderr
-        p = subprocess.run(cli + ["link", "set", "%s>h0" % LM_NODE, "rate", "100M", "--prefix", prefix],
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 1 and p.stderr.count("\n") == 1 and "no link model" in p.stderr, p.stderr
+        if lab_on["target"] == "qemu":
+            # a link's other direction ends at h0, which has no link model: named, not silently skipped
+            p = subprocess.run(cli + ["link", "set", "h0-%s" % LM_NODE, "rate", "100M", "--prefix", prefix],
+                               capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0 and "not modelled" in p.stderr and "%s>h0" % LM_NODE in p.stderr, p.stderr
+            p = subprocess.run(cli + ["link", "set", "%s>h0" % LM_NODE, "rate", "100M", "--prefix", prefix],
+                               capture_output=True, text=True, timeout=120)
+            assert p.returncode == 1 and p.stderr.count("\n") == 1 and "no link model" in p.stderr, p.stderr
     finally:
         h = subprocess.run(cli + ["heal", LM_NODE, "--prefix", prefix], capture_output=True, text=True,
                            timeout=120)
     assert h.returncode == 0 and "healed %s" % LM_NODE in h.stdout, h.stdout + h.stderr
     assert ping() == 0
+    if lab_on["target"] == "netns":
+        return
     cfg = execs[LM_NODE].call("link_update", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"], changes={})["h0"]
     assert not cfg["blackhole"] and cfg["loss_ppm"] == 0 and cfg["rate_bps"] == 100_000_000, cfg
 

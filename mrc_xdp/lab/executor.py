@@ -72,7 +72,13 @@ class NetnsNode:
         return p
 
     def call(self, fn: str, timeout: float = 600, **kwargs):
-        return AGENT[fn](**kwargs)
+        """The agent function, run on the node: in its namespace (interface names,
+        sockets), as a VM runs it."""
+        from .. import netns
+        if fn not in AGENT:
+            raise ExecError("unknown agent function %r" % fn)
+        with netns.enter(self.ns):
+            return AGENT[fn](**kwargs)
 
 
 class SshNode:
@@ -134,8 +140,13 @@ def _ifname_by_mac() -> dict:
 
 
 def _ifindex(name: str) -> int:
-    with open("/sys/class/net/%s/ifindex" % name) as f:
-        return int(f.read())
+    """The interface's index in the caller's network namespace (not /sys/class/net: a
+    thread that entered a namespace still sees the sysfs mounted for another)."""
+    import socket
+    try:
+        return socket.if_nametoindex(name)
+    except OSError:
+        raise FileNotFoundError("no such interface: %s" % name) from None
 
 
 def wire_vm(ports: list, veth: dict | None, sysctls: list) -> dict:
