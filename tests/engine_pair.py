@@ -128,3 +128,12 @@ class Pair:
         for n in (self.a, self.b):
             if netns.exists(n):
                 netns.delete(n)
+
+
+def connect(A, B, k):
+    """QPs of connection CONNS[k] on endpoints A and B, connected to each other."""
+    qa = A.create_qp(qpn=CONNS[k][0])
+    qb = B.create_qp(qpn=CONNS[k][1])
+    qa.connect(qb.local_attrs())
+    qb.connect(qa.local_attrs())
+    return qa, qb

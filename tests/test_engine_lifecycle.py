@@ -59,10 +59,7 @@ def test_thousand_qps_and_idle(pair):
         src, dst = bytearray(os.urandom(65536)), bytearray(65536)
         ma, mb = A.reg_mr(src), B.reg_mr(dst)
         for i in range(1000):
-            qa = A.create_qp(qpn=ep_.CONNS[0][0])
-            qb = B.create_qp(qpn=ep_.CONNS[0][1])
-            qa.connect(qb.local_attrs())
-            qb.connect(qa.local_attrs())
+            qa, qb = ep_.connect(A, B, 0)
             if i % 50 == 0:
                 qa.post_write(i, ma, 0, 65536, mb.addr, mb.rkey, imm=i)
                 ca = A.cq.wait_blocking(timeout=10)
@@ -101,10 +98,7 @@ def test_pacing_options(pair):
         a, b = A.options(), B.options()
         assert (a["cc_pace"], a["cc_min_cwnd"], a["cc_fair_inc"]) == (1, A.payload // 16, A.payload // 8), a
         assert (b["cc_pace"], b["cc_min_cwnd"], b["cc_fair_inc"]) == (2, B.payload, B.payload), b
-        qa = A.create_qp(qpn=ep_.CONNS[3][0])
-        qb = B.create_qp(qpn=ep_.CONNS[3][1])
-        qa.connect(qb.local_attrs())
-        qb.connect(qa.local_attrs())
+        qa, qb = ep_.connect(A, B, 3)
         size = 8 << 20
         src, dst = bytearray(os.urandom(size)), bytearray(size)
         ma, mb = A.reg_mr(src), B.reg_mr(dst)
@@ -120,10 +114,7 @@ def test_timestamps(pair):
     import hashlib
     with transport.Endpoint(pair.ia, timestamps=1) as A, transport.Endpoint(pair.ib, timestamps=1) as B:
         assert A.options()["timestamps"] == 1
-        qa = A.create_qp(qpn=ep_.CONNS[3][0])
-        qb = B.create_qp(qpn=ep_.CONNS[3][1])
-        qa.connect(qb.local_attrs())
-        qb.connect(qa.local_attrs())
+        qa, qb = ep_.connect(A, B, 3)
         size = 16 << 20
         src, dst = bytearray(os.urandom(size)), bytearray(size)
         ma, mb = A.reg_mr(src), B.reg_mr(dst)
@@ -200,10 +191,7 @@ def test_peer_vanishes(pair):
     src, dst = bytearray(size), bytearray(size)
     ma, mb = A.reg_mr(src), B.reg_mr(dst)
     try:
-        qa = A.create_qp(qpn=ep_.CONNS[1][0])
-        qb = B.create_qp(qpn=ep_.CONNS[1][1])
-        qa.connect(qb.local_attrs())
-        qb.connect(qa.local_attrs())
+        qa, qb = ep_.connect(A, B, 1)
         n = 400                  # 400 x 16 MiB: many seconds of work, the unload lands midway
         for i in range(n):
             qa.post_write(i, ma, 0, 16 << 20, mb.addr, mb.rkey)
@@ -238,10 +226,7 @@ def test_peer_vanishes(pair):
     pair.load("b")
     B = transport.Endpoint(pair.ib)
     mb = B.reg_mr(dst)
-    qa = A.create_qp(qpn=ep_.CONNS[2][0])
-    qb = B.create_qp(qpn=ep_.CONNS[2][1])
-    qa.connect(qb.local_attrs())
-    qb.connect(qa.local_attrs())
+    qa, qb = ep_.connect(A, B, 2)
     qa.post_write(1, ma, 0, size, mb.addr, mb.rkey)
     time.sleep(0.02)
     B.close()

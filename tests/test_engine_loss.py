@@ -88,10 +88,7 @@ def dp_counters(inst):
 
 def run_transfer(env, k, size, imm=1, timeout=90):
     A, B = env["A"], env["B"]
-    qa = A.create_qp(qpn=ep_.CONNS[k][0])
-    qb = B.create_qp(qpn=ep_.CONNS[k][1])
-    qa.connect(qb.local_attrs())
-    qb.connect(qa.local_attrs())
+    qa, qb = ep_.connect(A, B, k)
     env["dst"][:size] = bytes(size)
     t0 = time.monotonic()
     qa.post_write(k, env["ma"], 0, size, env["mb"].addr, env["mb"].rkey, imm=imm)

@@ -61,14 +61,6 @@ def eps(pair):
         b.close()
 
 
-def connect(A, B, k):
-    qa = A.create_qp(qpn=ep_.CONNS[k][0])
-    qb = B.create_qp(qpn=ep_.CONNS[k][1])
-    qa.connect(qb.local_attrs())
-    qb.connect(qa.local_attrs())
-    return qa, qb
-
-
 def wait_n(ep, n, timeout=30.0):
     out, deadline = [], time.monotonic() + timeout
     while len(out) < n and time.monotonic() < deadline:
@@ -78,7 +70,7 @@ def wait_n(ep, n, timeout=30.0):
 
 @pytest.fixture(scope="module")
 def qp0(eps):
-    qa, qb = connect(eps["A"], eps["B"], 0)
+    qa, qb = ep_.connect(eps["A"], eps["B"], 0)
     yield qa, qb
     qa.destroy()
     qb.destroy()
@@ -113,7 +105,7 @@ def test_write(eps, qp0, size, imm):
 def test_many_messages_and_qps(eps, pair):
     """Three QPs at once, 50 Write-with-Immediate each: every byte placed, immediates in order."""
     A, B, ma, mb = eps["A"], eps["B"], eps["ma"], eps["mb"]
-    qps = [connect(A, B, k) for k in (1, 2, 3)]
+    qps = [ep_.connect(A, B, k) for k in (1, 2, 3)]
     try:
         eps["dst"][:8 << 20] = bytes(8 << 20)
         n, msg = 50, 40000
@@ -202,7 +194,7 @@ def test_bad_rkey_and_out_of_region(eps, pair):
     try:
         for case, (raddr, rkey) in {"rkey": (ms.addr, ms.rkey ^ 0x5A5A00),
                                     "range": (ms.addr + 1024, ms.rkey)}.items():
-            qa, qb = connect(A, B, 3)
+            qa, qb = ep_.connect(A, B, 3)
             try:
                 before = B.stats()["bad_rkey"]
                 qa.post_write(9, ma, 0, 8192, raddr, rkey)
@@ -268,7 +260,7 @@ def test_256mib_one_qp(eps):
     """256 MiB in one Write-with-Immediate on one QP (own buffers)."""
     size = 256 << 20
     A, B = eps["A"], eps["B"]
-    qa, qb = connect(A, B, 2)
+    qa, qb = ep_.connect(A, B, 2)
     src, dst = bytearray(os.urandom(size)), bytearray(size)
     ma, mb = A.reg_mr(src), B.reg_mr(dst)
     try:
@@ -297,7 +289,7 @@ def test_srv6_pair(tmp_path):
         p.up()
         with transport.Endpoint(p.ia) as A, transport.Endpoint(p.ib) as B:
             assert A.payload == transport.default_payload(ep_.MTU - 40)
-            qa, qb = connect(A, B, 0)
+            qa, qb = ep_.connect(A, B, 0)
             src, dst = bytearray(os.urandom(BIG)), bytearray(BIG)
             ma, mb = A.reg_mr(src), B.reg_mr(dst)
             for i, size in enumerate((1 << 20, BIG)):
