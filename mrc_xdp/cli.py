@@ -193,8 +193,8 @@ def cmd_status(args):
                     by_state[r["state"]] = by_state.get(r["state"], 0) + 1
             st = dict(inst.state)
             st["active_evs_by_state"] = by_state
-            st["planes_down"] = inst.planes_down()
             st["plane_rotation"] = inst.plane_rows()
+            st["planes_down"] = [not r["in_rotation"] for r in st["plane_rotation"]]
             st["counters"] = {k: v for k, v in inst.counters().items() if v}
             st["qps"] = _engine_qps(n)
             out.append(st)
@@ -248,6 +248,10 @@ def _out_of_rotation(row: dict) -> str:
     return "  OUT OF ROTATION (%s)" % ", ".join(why) if why else ""
 
 
+def _rotation(row: dict) -> str:
+    return "in rotation" if row["in_rotation"] else _out_of_rotation(row).strip()
+
+
 def cmd_plane(args):
     with _open(args) as inst:
         if args.plane_cmd != "list":
@@ -257,14 +261,12 @@ def cmd_plane(args):
                 raise CliError(str(e.args[0])) from None
         rows = inst.plane_rows()
     if args.plane_cmd == "list":
-        _out(args, rows, lambda rs: [print("plane %d  %-10s %s" % (
-            r["plane"], r["dev"], "in rotation" if r["in_rotation"] else _out_of_rotation(r).strip()))
-            for r in rs])
+        _out(args, rows, lambda rs: [print("plane %d  %-10s %s" % (r["plane"], r["dev"], _rotation(r)))
+                                     for r in rs])
         return
     row = dict(rows[args.plane], changed=changed)
     _out(args, row, lambda r: print("plane %d (%s): %s%s" % (
-        r["plane"], r["dev"], "in rotation" if r["in_rotation"] else _out_of_rotation(r).strip(),
-        "" if r["changed"] else " (unchanged)") + (
+        r["plane"], r["dev"], _rotation(r), "" if r["changed"] else " (unchanged)") + (
         " -- still out: its link is down" if args.plane_cmd == "in" and r["link_down"] else "")))
 
 

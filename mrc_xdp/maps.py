@@ -453,12 +453,20 @@ class Instance:
         bursts of burst.  Returns the new limit."""
         if not (0 <= rate < 1 << 32 and 0 <= burst < 1 << 32):
             raise ValueError("probe rate and burst: 0 .. 2^32-1, got %r, %r" % (rate, burst))
+        self.update_config(probe_rate=rate, probe_burst=burst)
+        return self.probe_limit()
+
+    def update_config(self, **changes) -> dict:
+        """Change run-time fields of the datapath's mrc_config (e.g. loss_thresh,
+        probe_rate); returns their previous values (to restore them)."""
         mp = self.map("mrc_cfg")
         c = ffi.new("struct mrc_config *")
         ffi.memmove(c, mp.lookup(0), sizeof("struct mrc_config"))
-        c.probe_rate, c.probe_burst = rate, burst
+        old = {k: getattr(c, k) for k in changes}
+        for k, v in changes.items():
+            setattr(c, k, int(v))
         mp.update(0, to_bytes(c))
-        return self.probe_limit()
+        return old
 
     # -- operator actions
     def find_ev(self, ev: int, conn: int | None = None):
@@ -515,17 +523,18 @@ class Instance:
     def set_plane_out(self, plane: int, out: bool) -> bool:
         """The operator takes a plane out of spray's rotation (MRC_PF_ADMIN) or puts it
         back; the health daemon's link flag is separate.  True when the flag changed."""
-        if not 0 <= plane < len(self.state.get("planes", [])):
-            raise KeyError("plane %d is not configured in %s (planes 0-%d)" % (
-                plane, self.name, len(self.state.get("planes", [])) - 1))
-        return set_plane_down(self._planes_map(), plane, out, bit=const("MRC_PF_ADMIN"))
+        return self._plane_flag(plane, out, const("MRC_PF_ADMIN"))
 
     def set_plane_down(self, plane: int, down: bool) -> bool:
         """Take a plane out of spray's rotation (its EVs unused, their states unchanged; the
         other planes share its turns) or put it back.  True when the flag changed."""
-        if not 0 <= plane < len(self.state.get("planes", [])):
-            raise KeyError("plane %d is not configured in %s" % (plane, self.name))
-        return set_plane_down(self._planes_map(), plane, down)
+        return self._plane_flag(plane, down, const("MRC_PF_DOWN"))
+
+    def _plane_flag(self, plane: int, on: bool, bit: int) -> bool:
+        n = len(self.state.get("planes", []))
+        if not 0 <= plane < n:
+            raise KeyError("plane %d is not configured in %s (planes 0-%d)" % (plane, self.name, n - 1))
+        return set_plane_down(self._planes_map(), plane, on, bit=bit)
 
 
 def set_plane_down(planes, plane: int, down: bool, bit: int | None = None) -> bool:

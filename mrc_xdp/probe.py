@@ -88,7 +88,7 @@ class _Inst:
         self.probes = self.inst.map("mrc_probes")
         self.map_id = bpfsys.map_info(self.probes.fd).id
         self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
-        self.ev_t1: dict[int, int] = {}
+        self.ev_t1: dict[int, int | None] = {}
 
         def mk():
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
@@ -112,10 +112,12 @@ class _Inst:
             os.close(fd)
 
     def t1_of(self, ev: int) -> int | None:
-        """The T1 EV ev goes through (from the EV tables; re-read once when unknown)."""
+        """The T1 EV ev goes through (from the EV tables, re-read once for an EV not seen
+        before: a connection added since; None, remembered, for an EV in no set)."""
         if ev not in self.ev_t1:
             self.ev_t1 = {r["ev"]: r["t1"] for r in self.inst.ev_table()}
-        return self.ev_t1.get(ev)
+            self.ev_t1.setdefault(ev, None)
+        return self.ev_t1[ev]
 
     def close(self):
         self.sock.close()

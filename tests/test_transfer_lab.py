@@ -72,20 +72,14 @@ def no_loss_retire(lab):
     health daemon.  For the random-loss cases the datapath's loss threshold is raised
     (mrc_cfg.loss_thresh, a run-time setting); the engine still sees every loss."""
     from mrc_xdp.maps import Instance
-    from mrc_xdp.shared import ffi, to_bytes
     saved = {}
     for h in lab["topo"].hosts:
         with Instance(lab["prefix"] + h.name) as inst:
-            c = ffi.new("struct mrc_config *")
-            raw = inst.map("mrc_cfg").lookup(0)
-            ffi.memmove(c, raw, len(raw))
-            saved[h.name] = raw
-            c.loss_thresh = 1 << 20
-            inst.map("mrc_cfg").update(0, to_bytes(c))
+            saved[h.name] = inst.update_config(loss_thresh=1 << 20)
     yield
-    for name, raw in saved.items():
+    for name, old in saved.items():
         with Instance(lab["prefix"] + name) as inst:
-            inst.map("mrc_cfg").update(0, raw)
+            inst.update_config(**old)
 
 
 def _reset_evs(lab):

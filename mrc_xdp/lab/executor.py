@@ -245,16 +245,8 @@ def datapath_config(instance: str, changes: dict) -> dict:
     """On a host: change run-time fields of the datapath's mrc_config (e.g. loss_thresh);
     returns their previous values (to restore them)."""
     from ..maps import Instance
-    from ..shared import ffi, to_bytes
     with Instance(instance) as inst:
-        c = ffi.new("struct mrc_config *")
-        raw = inst.map("mrc_cfg").lookup(0)
-        ffi.memmove(c, raw, len(raw))
-        old = {k: getattr(c, k) for k in changes}
-        for k, v in changes.items():
-            setattr(c, k, int(v))
-        inst.map("mrc_cfg").update(0, to_bytes(c))
-    return old
+        return inst.update_config(**changes)
 
 
 def link_update(pin_dir: str, ifnames: list, changes: dict) -> dict:
