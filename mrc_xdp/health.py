@@ -359,6 +359,7 @@ class InstanceHealth:
         self.planes = [(i, p["dev"]) for i, p in enumerate(self.inst.state.get("planes", []))]
         self.rb = bpfsys.RingReader(self.inst.map("mrc_events").fd, self._on_event)
         self.link_up: dict[int, bool] = {}
+        self._rows, self._rows_at = [], 0.0     # ev_states(), re-read at most every ROWS_S
         self.ipr = None
         self.bad: dict[tuple[int, int], _Probe] = {}
         self.bg_fail: dict[tuple[int, int], int] = {}
@@ -480,11 +481,22 @@ class InstanceHealth:
         return {"conn": cid, "ev": ev, "slot": slot, "plane": e.plane, "t1": e.t1,
                 "state": _name(EvState, e.state), "reason": _name(EvReason, e.reason)}
 
+    def _change_if(self, r: dict, was: str, state: EvState, reason: EvReason) -> bool:
+        """EV r (conn, ev, plane) to state, with an event, if it is still in state `was`
+        (re-read now) and its plane's link is not down.  True when it changed."""
+        cur = self._ev_now(r["conn"], r["ev"])
+        if cur is None or cur["state"] != was or self.link_up.get(r["plane"]) is False:
+            return False
+        maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
+                          state, reason)
+        self._daemon_event(cur, was, state.name, reason)
+        return True
+
     def tick(self) -> None:
         if self.prober is None:
             return
         now = time.monotonic()
-        if now - getattr(self, "_rows_at", 0.0) >= ROWS_S:
+        if now - self._rows_at >= ROWS_S:
             self._rows, self._rows_at = ev_states(self.inst), now
         rows = self._rows
         seen = set()
@@ -545,11 +557,7 @@ class InstanceHealth:
                 st.ok += 1
                 st.fails = 0
                 if st.ok >= self.cfg.ok_needed:
-                    cur = [x for x in [self._ev_now(r["conn"], r["ev"])] if x]
-                    if cur and cur[0]["state"] == "ASSUMED_BAD" and self.link_up.get(r["plane"]) is not False:
-                        maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
-                                          EvState.GOOD, EvReason.PROBE_OK)
-                        self._daemon_event(cur[0], "ASSUMED_BAD", "GOOD", EvReason.PROBE_OK)
+                    if self._change_if(r, "ASSUMED_BAD", EvState.GOOD, EvReason.PROBE_OK):
                         self.resurrected += 1
                     st.ok = 0
             st.next = time.monotonic() + self._period(st.fails)
@@ -569,11 +577,7 @@ class InstanceHealth:
             n = self.bg_fail[k] = self.bg_fail.get(k, 0) + 1
             if n >= self.cfg.background_fail:
                 self.bg_fail.pop(k, None)
-                cur = [x for x in [self._ev_now(*k)] if x]
-                if cur and cur[0]["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False:
-                    maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
-                                      EvState.ASSUMED_BAD, PROBE_FAIL)
-                    self._daemon_event(cur[0], "GOOD", "ASSUMED_BAD", PROBE_FAIL)
+                self._change_if(r, "GOOD", EvState.ASSUMED_BAD, PROBE_FAIL)
         except Exception as e:
             self.log("%s: background probe conn %d EV %#010x: %s" % (self.name, r["conn"], r["ev"], e))
 
