@@ -1186,12 +1186,16 @@ static void complete_wrs(struct mrc_eng *e, struct qp *q)
 	}
 }
 
+/* The congestion controller's "once per RTT": srtt, at least 20 us. */
+static inline uint64_t cc_rtt(const struct qp *q)
+{
+	return q->srtt > 20000 ? q->srtt : 20000;
+}
+
 /* one multiplicative decrease of pct/1024 at most once per RTT (shared by ECN and trims) */
 static int cc_md(struct mrc_eng *e, struct qp *q, uint64_t frac1024, uint64_t now)
 {
-	uint64_t gap = q->srtt > 20000 ? q->srtt : 20000;
-
-	if (q->last_md_ns && now - q->last_md_ns < gap)
+	if (q->last_md_ns && now - q->last_md_ns < cc_rtt(q))
 		return 0;
 	q->cwnd -= q->cwnd * frac1024 / 1024;
 	if (q->cwnd < e->o.cc_min_cwnd)
@@ -1226,7 +1230,7 @@ static void cc_update(struct mrc_eng *e, struct qp *q, uint64_t acked, int ecn, 
 		if (q->cc_ecn && f)
 			cc_md(e, q, (q->cc_alpha > f ? q->cc_alpha : f) / 2, now);   /* NSCC quick adapt: the fresh fraction when it is higher */
 		q->cc_acked = q->cc_ecn = 0;
-		q->cc_win_end = now + (q->srtt > 20000 ? q->srtt : 20000);
+		q->cc_win_end = now + cc_rtt(q);
 	}
 	if (!ecn && rtt < target && q->cc_alpha < 16) {
 		q->cwnd += acked * e->o.cc_prop_gain / 100 * (target - rtt) / target;
