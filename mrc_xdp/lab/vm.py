@@ -503,22 +503,30 @@ def qemu_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_noop,
         _wait_ssh(execs, boot_timeout, progress, t_start)
         st["boot_s"] = round(time.monotonic() - t_start, 1)
         progress("  %d VMs booted in %.0fs" % (len(execs), st["boot_s"]))
-        st["hosts"] = setup_nodes(topo, prefix, execs, pl, progress, hosts=hosts, datapaths=datapaths,
-                                  linkmodel=linkmodel)
-        st["control"] = control_path(topo, prefix, execs, progress)
-        st["linkmodel"] = sorted(topo.nodes) if (linkmodel is True and datapaths) \
-            else sorted(linkmodel or ()) if datapaths else []
-        st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
-        st["complete"] = True
-        st["up_s"] = round(time.monotonic() - t_start, 1)
-        _write(st)
-        progress("VM lab %r up in %.0fs" % (prefix, st["up_s"]))
-        return st
+        return _set_up(st, topo, prefix, execs, pl, progress, hosts, datapaths, linkmodel, img_info,
+                       t_start, "")
     except BaseException:
         progress("VM lab up failed: removing what was built")
         with contextlib.suppress(Exception):
             down(prefix)
         raise
+
+
+def _set_up(st, topo, prefix, execs, pl, progress, hosts, datapaths, linkmodel, img_info, t_start,
+            runner: str) -> dict:
+    """The booted VMs of either runner become the lab: the node set-up (the netns lab's
+    code over SSH), the lab control path, and the state marked complete."""
+    st["hosts"] = setup_nodes(topo, prefix, execs, pl, progress, hosts=hosts, datapaths=datapaths,
+                              linkmodel=linkmodel)
+    st["control"] = control_path(topo, prefix, execs, progress)
+    st["linkmodel"] = sorted(topo.nodes) if (linkmodel is True and datapaths) \
+        else sorted(linkmodel or ()) if datapaths else []
+    st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
+    st["complete"] = True
+    st["up_s"] = round(time.monotonic() - t_start, 1)
+    _write(st)
+    progress("VM lab %r%s up in %.0fs" % (prefix, runner, st["up_s"]))
+    return st
 
 
 def _end_qemus(st: dict) -> list[str]:
@@ -743,17 +751,8 @@ def vagrant_up(topo: Topology, prefix: str = fabric.DEFAULT_PREFIX, progress=_no
         _write(st)
         execs = execs_of(st)
         _wait_ssh(execs, 300, progress, t_start)
-        st["hosts"] = setup_nodes(topo, prefix, execs, st["plan"], progress, hosts=hosts,
-                                  datapaths=datapaths, linkmodel=linkmodel)
-        st["control"] = control_path(topo, prefix, execs, progress)
-        st["linkmodel"] = sorted(topo.nodes) if (linkmodel is True and datapaths) \
-            else sorted(linkmodel or ()) if datapaths else []
-        st["image"] = {"kver": img_info["kver"], "cached": img_info.get("cached")}
-        st["complete"] = True
-        st["up_s"] = round(time.monotonic() - t_start, 1)
-        _write(st)
-        progress("VM lab %r (vagrant) up in %.0fs" % (prefix, st["up_s"]))
-        return st
+        return _set_up(st, topo, prefix, execs, st["plan"], progress, hosts, datapaths, linkmodel,
+                       img_info, t_start, " (vagrant)")
     except BaseException:
         progress("VM lab up failed: removing what was built")
         with contextlib.suppress(Exception):
