@@ -297,7 +297,7 @@ struct txp {                 /* one sent PSN (slot psn & (win - 1)) */
 	uint64_t tx_ns;
 	uint64_t txseq;          /* the QP's send order of the last transmission */
 	uint32_t psn, len;
-	uint8_t state, nsent, queued, last;
+	uint8_t state, nsent, queued, last, rto;   /* rto: resent by the RTO (a probe) */
 };
 
 struct rmsg {                /* receiver: one message by MSN */
@@ -326,6 +326,8 @@ struct qp {
 	uint32_t cc_alpha;                       /* EWMA of the ECN fraction, /1024 (DCTCP's alpha) */
 	uint64_t pace_ns;                        /* pacing: the next packet leaves no earlier */
 	uint32_t retries, peer_mpr;
+	uint32_t rto_copy_psn;                   /* a repeated RTO's probe: its second copy pending */
+	int rto_copy;
 	/* receiver */
 	uint32_t rcv_cack, rcv_ooo;
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
@@ -333,7 +335,7 @@ struct qp {
 	uint16_t rmsn_next;
 	uint32_t ack_pending, ack_psn, ack_ev, ack_ce, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
 	uint64_t ack_deadline, rcvd_bytes;
-	int ack_now;
+	int ack_now, ack_dup;
 	struct mrc_qp_stats st;
 };
 
@@ -881,7 +883,7 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 	if (!f)
 		return -1;
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
-		   (uint8_t)(pad << 4), (last ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
+		   (uint8_t)(pad << 4), (last || t->rto ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
 		   (e->o.timestamps ? MRC_BTH_B8_TS : 0), t->psn);
 	p = f + OFF_EXT;
 	put16(p, 0);                             /* RQMSN */
@@ -998,6 +1000,14 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 		return;
 	if (d >= 64 && d < PSN_HALF)
 		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0);
+	/* A duplicate says the sender did not hear our last SACK (or its packet was late),
+	 * and an RTO probe (RTX with AckReq) that it heard nothing for a while: say it twice.  Spray gives a connection's consecutive frames to different planes,
+	 * so with a plane (or a T1) dead one of the two gets through; without it the
+	 * sender's RTO probe and our answer each cross the dead plane half the time, and a
+	 * QP could spend its retry budget on coin tosses. */
+	if (q->ack_dup)
+		sack_frame(e, q, q->rcv_cack, 1);
+	q->ack_dup = 0;
 	q->ack_pending = 0;
 	q->ack_now = 0;
 	q->ack_ce = 0;
@@ -1060,6 +1070,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		q->ack_ev = ev;
 		q->ack_ts = ts;
 		q->ack_now = 1;
+		q->ack_dup = 1;
 		return;
 	}
 	if (d >= q->win) {
@@ -1134,6 +1145,8 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	}
 	if (bth[8] & MRC_BTH_B8_ACKREQ)
 		q->ack_now = 1;
+	if ((bth[8] & (MRC_BTH_B8_ACKREQ | MRC_BTH_B8_RTX)) == (MRC_BTH_B8_ACKREQ | MRC_BTH_B8_RTX))
+		q->ack_dup = 1;                  /* the sender's RTO probe: answered twice, see send_sack */
 	if (q->ack_pending >= e->o.ack_every)
 		q->ack_now = 1;
 	if (!q->ack_deadline)
@@ -1564,6 +1577,17 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 			t->queued = 0;
 			q->rtx_head++;
 			sent++;
+			if (q->rto_copy && q->rto_copy_psn == t->psn) {
+				/* the second copy of a repeated RTO's probe: spray puts it on
+				 * another plane than the first; one PSN in flight, counted once */
+				q->rto_copy = 0;
+				if (!send_data(e, q, t, 1)) {
+					q->inflight -= t->len ? t->len : 1;
+					q->st.rtx_timeout++;
+					sent++;
+				}
+			}
+			t->rto = 0;
 			continue;
 		}
 		if (!q->wr_cur)
@@ -1630,19 +1654,26 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		uint32_t p;
 
 		q->st.timeouts++;
-		if (++q->retries > e->o.retry_limit) {
+		if (++q->retries > q->st.retries_max)
+			q->st.retries_max = q->retries;
+		if (q->retries > e->o.retry_limit) {
 			qp_error(e, q, MRC_WC_RETRY_EXC_ERR);
 			return;
 		}
 		/* first expiry since progress: a probe (the oldest PSN only, its SACK lets RACK
 		 * find the rest; a host that merely stalled the thread costs one packet); from
 		 * the second on, what was sent at least one RTO ago is presumed lost, resent
-		 * selectively, and the window halves (at most once per RTT) */
+		 * selectively, and the window halves (at most once per RTT); the probe then
+		 * goes out twice (two planes: see send_sack), as a plane whose failure the
+		 * datapath has not seen yet would otherwise take half of the probes */
+		q->rto_copy = q->retries > 1;
+		q->rto_copy_psn = q->snd_una;
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
 			if (t->psn == p && t->state == TXP_INFLIGHT &&
 			    (p == q->snd_una || (q->retries > 1 && t->tx_ns + q->rto <= now))) {
+				t->rto = 1;
 				mark_lost(q, t);
 				q->st.rtx_timeout++;
 			}

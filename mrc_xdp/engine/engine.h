@@ -160,6 +160,7 @@ struct mrc_qp_stats {
 	uint64_t peer_mpr;          /* the peer's advertised window, PSNs */
 	uint64_t retries;           /* consecutive timeouts now */
 	uint64_t rtt_ts;            /* RTT samples from reflected TSETH timestamps */
+	uint64_t retries_max;       /* most timeouts in a row (past retry_limit: QP error) */
 };
 
 struct mrc_eng;
