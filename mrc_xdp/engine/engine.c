@@ -1583,7 +1583,6 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 				q->rto_copy = 0;
 				if (!send_data(e, q, t, 1)) {
 					q->inflight -= t->len ? t->len : 1;
-					q->st.rtx_timeout++;
 					sent++;
 				}
 			}
