@@ -142,7 +142,7 @@ class Listener:
         try:
             s, addr = self.sock.accept()
         except socket.timeout:
-            raise BootstrapError("bootstrap: no client connected to port %d within %.0f s" % (self.port, timeout)) from None
+            raise BootstrapError("bootstrap: no client connected to port %d within %g s" % (self.port, timeout)) from None
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(None)
         ch = Channel(s, "[%s]:%d" % addr[:2])

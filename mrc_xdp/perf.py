@@ -529,6 +529,9 @@ def _common(p, server_ok=True):
     p.add_argument("--port", type=int, default=bs.DEFAULT_PORT, help="bootstrap TCP port (18515)")
     if server_ok:
         p.add_argument("--bind", default="::", help="server: address to listen on (default: all)")
+        p.add_argument("--accept-timeout", type=float, default=None, metavar="S",
+                       help="server: give up if no client has connected within S seconds "
+                            "(default: wait, as perftest's servers do)")
     p.add_argument("--mtu", type=int, default=None, help="payload bytes per packet (default: the largest mrc0 allows)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds without progress before giving up")
     p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
@@ -551,7 +554,8 @@ def cmd_write_bw(args):
                               duration=args.duration, qps=args.qps, port=args.port, tx_depth=args.tx_depth,
                               mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout)
     else:
-        res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu, timeout=args.timeout)
+        res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
+                              accept_timeout=args.accept_timeout, timeout=args.timeout)
     _emit(args, res, _fmt_bw)
 
 
@@ -561,7 +565,8 @@ def cmd_write_lat(args):
         res = write_lat_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
                                port=args.port, mtu=args.mtu, timeout=args.timeout)
     else:
-        res = write_lat_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu, timeout=args.timeout)
+        res = write_lat_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
+                               accept_timeout=args.accept_timeout, timeout=args.timeout)
     _emit(args, res, _fmt_lat)
 
 
@@ -575,7 +580,7 @@ def cmd_send(args):
 
 def cmd_recv(args):
     res = recv_file(args.dir, args.instance, _ns_of(args), port=args.port, bind=args.bind, mtu=args.mtu,
-                    timeout=args.timeout)
+                    accept_timeout=args.accept_timeout, timeout=args.timeout)
     _emit(args, res, lambda r: "received %s: %d bytes, sha256 %s, matches the sender's" % (
         r["file"], r["bytes"], r["sha256"]))
 

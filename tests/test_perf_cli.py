@@ -120,6 +120,14 @@ def test_errors_one_line(pair):
     r = subprocess.run(CLI + ["send", "/nonexistent/file", B_CTL, "-i", pair["a"]],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot read /nonexistent/file" in r.stderr
+    # a server nobody connects to gives up after --accept-timeout, in one line, and leaves
+    # no QP or connection behind
+    for cmd in (["write-bw"], ["write-lat"], ["recv", "/tmp"]):
+        r = subprocess.run(CLI + cmd + ["-i", pair["b"], "--bind", B_CTL, "--port", "19%03d" % (os.getpid() % 1000),
+                                        "--accept-timeout", "0.5"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "no client connected to port" in r.stderr and "within 0 s" not in r.stderr, r.stderr
+        assert conns.list_(pair["b"]) == []
 
 
 def test_qps_from_another_process(pair):
