@@ -15,6 +15,11 @@
     switch VM frozen; adds ~30-60 s under TCG);
   - `mrc-xdp lab link set` / `lab heal` (the link model in the node that receives on the
     end; on VMs changed over SSH): a blackholed end stops pings, the heal restores them;
+    `mrc-xdp lab status` shows it (on VMs read in the VMs; ends without a link model named);
+  - the path health daemon (`mrc-xdp daemon` on h0 and h1; in the guests on VMs), no data
+    traffic: with the plane-1 switch failed its background probes retire every plane-1 EV
+    of both hosts' connections (PROBE_FAIL) while plane 0's stay GOOD; after the heal its
+    resurrection probes bring them back (PROBE_OK);
 - `vagrant up` / `vagrant destroy` of 2 VMs (vagrant-libvirt, a UDP-tunnel link), the
   same node set-up minus bcc, a ping over the link; libvirtd/virtlogd started and stopped.
 
@@ -22,8 +27,10 @@ Everything created (VMs, daemons, bridges, iptables chains, directories, state) 
 and checked.  The guest image is built on first use (~6-10 min cold, cached afterwards
 under /var/cache/mrc-xdp/vm).
 """
+import concurrent.futures as cf
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -44,6 +51,7 @@ CI_TOPO = {"name": "vmci", "mode": "srv6", "planes": 2, "t0_per_plane": 1, "t1_p
            "hosts": [{"name": "h0", "t0": 0}, {"name": "h1", "t0": 0}]}
 SMOKE_TOPO = dict(CI_TOPO, name="vsmoke", planes=1, hosts=[{"name": "h0", "t0": 0}])   # 2 VMs
 LM_NODE = "p0t0s0"          # the VM that gets the link model in the CI scenario
+LAB_CLI = [os.path.join(os.path.dirname(os.sys.executable), "mrc-xdp"), "lab"]
 
 
 def say(msg):
@@ -435,6 +443,22 @@ def test_lab_link_set_and_heal(lab_on):
         assert ping() != 0
         d1 = sum(v for k, v in lm_port().items() if k.startswith("drop_"))
         assert d1 >= d0 + 2, (d0, d1)
+        # `lab status`, the same shape on both targets (on VMs read in the VMs over SSH)
+        p = subprocess.run(cli + ["status", "--prefix", prefix, "--json"], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        s = json.loads(p.stdout)
+        assert [n["name"] for n in s["nodes"]] == list(topo.nodes) and all(n["exists"] for n in s["nodes"]), s
+        ends = {ln["name"]: ln for ln in s["links"]}
+        assert sorted(ends) == sorted(e[0] for e in topo.link_ends())
+        e = ends[end]
+        assert e["modelled"] and e["blackhole"] and e["loss_ppm"] == 10_000, e
+        assert sum(v for k, v in e["counters"].items() if k.startswith("drop_")) >= d1, e
+        if lab_on["target"] == "qemu":      # the ends into VMs without the link model are named
+            assert {n: ln["why"] for n, ln in ends.items() if not ln["modelled"]} == {
+                n: "not modelled: no link model in VM %s" % ln["to"] for n, ln in ends.items() if ln["to"] != LM_NODE}
+        else:
+            assert all(ln["modelled"] for ln in ends.values())
         if lab_on["target"] == "qemu":
             # a link's other direction ends at h0, which has no link model: named, not silently skipped
             p = subprocess.run(cli + ["link", "set", "h0-%s" % LM_NODE, "rate", "100M", "--prefix", prefix],
@@ -448,10 +472,180 @@ def test_lab_link_set_and_heal(lab_on):
                            timeout=120)
     assert h.returncode == 0 and "healed %s" % LM_NODE in h.stdout, h.stdout + h.stderr
     assert ping() == 0
+    p = subprocess.run(cli + ["status", "--prefix", prefix], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and end in p.stdout and "BLACKHOLE" not in p.stdout, p.stdout + p.stderr
+    if lab_on["target"] == "qemu":
+        assert "on VMs (qemu" in p.stdout and re.search(r"\n  %s>h0 +\(not modelled: no link model in VM h0\)"
+                                                       % LM_NODE, p.stdout), p.stdout
+    # and with no lab of that name up, one line
+    p = subprocess.run(cli + ["status", "--prefix", "zz%s-" % TAG], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "is not up" in p.stderr, p.stderr
     if lab_on["target"] == "netns":
         return
     cfg = execs[LM_NODE].call("link_update", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"], changes={})["h0"]
     assert not cfg["blackhole"] and cfg["loss_ppm"] == 0 and cfg["rate_bps"] == 100_000_000, cfg
+
+
+# ---------------------------------------------------------------- the path health daemon on the hosts
+# Faster background probes than the defaults (20/s, 50 ms), so the scenario fits in
+# seconds; the 500 ms answer timeout leaves room for a TCG switch VM that stalls for a few
+# hundred ms (an unanswered probe is only a failure after 3 in a row).
+DAEMON_PROBE = {"background_per_s": 50, "background_fail": 3, "timeout_ms": 500, "interval_ms": 100,
+                "backoff_max_ms": 500, "ok_needed": 3, "workers": 8}
+
+
+def _daemon_start(lab, host):
+    """`mrc-xdp daemon` on a lab host (netns: a process in the host's namespace; VM: in
+    the guest), over the executor, following only that host's datapath instance, on a
+    socket of its own.  Returns what _daemon_ready/_daemon_stop need."""
+    ex, inst = lab["execs"][host], instance_name(lab["prefix"], host)
+    d = "/tmp/mrcd-%s-%s-%s" % (TAG, lab["target"], host)
+    cfg = ['socket = "%s/events.sock"' % d, 'instances = ["%s"]' % inst, "[probe]"] + \
+        ["%s = %s" % kv for kv in DAEMON_PROBE.items()]
+    ex.run(["mkdir", "-p", d])
+    ex.run(["sh", "-c", "cat > %s/daemon.toml" % d], input="\n".join(cfg) + "\n")
+    t0 = time.monotonic()
+    out = ex.run(["sh", "-c", "nohup %s daemon --config %s/daemon.toml >%s/daemon.log 2>&1 </dev/null & echo $!"
+                  % (lab["cli"], d, d)]).stdout
+    return {"host": host, "ex": ex, "dir": d, "inst": inst, "pid": int(out.split()[-1]), "t0": t0}
+
+
+def _daemon_alive(dm) -> bool:
+    """Its process exists and is not a zombie (one not reaped yet has ended)."""
+    p = dm["ex"].run(["cat", "/proc/%d/stat" % dm["pid"]], check=False)
+    return p.returncode == 0 and ")" in p.stdout and p.stdout[p.stdout.rindex(")") + 2:][:1] not in ("Z", "X")
+
+
+def _daemon_log(dm) -> str:
+    return dm["ex"].run(["cat", dm["dir"] + "/daemon.log"], check=False).stdout
+
+
+def _daemon_ready(dm, timeout=240):
+    """Until the daemon follows its instance (its log says so); returns the start time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = _daemon_log(dm)
+        if "%s: following" % dm["inst"] in log:
+            assert "probing is off" not in log, log
+            return time.monotonic() - dm["t0"]
+        assert _daemon_alive(dm), "daemon on %s exited: %s" % (dm["host"], log.strip()[-300:])
+        assert time.monotonic() < deadline, "daemon on %s did not follow %s in %d s: %s" % (
+            dm["host"], dm["inst"], timeout, log.strip()[-300:])
+        time.sleep(0.5)
+
+
+def _daemon_stop(dm, timeout=60) -> list:
+    """SIGTERM, then until the process is gone; its socket is removed by the daemon.
+    Returns what is wrong (empty: stopped cleanly, directory removed)."""
+    ex, bad = dm["ex"], []
+    ex.run(["kill", "-TERM", str(dm["pid"])], check=False)
+    deadline = time.monotonic() + timeout
+    while _daemon_alive(dm):
+        if time.monotonic() > deadline:
+            ex.run(["kill", "-KILL", str(dm["pid"])], check=False)
+            bad.append("daemon on %s (pid %d) ignored SIGTERM for %d s" % (dm["host"], dm["pid"], timeout))
+            break
+        time.sleep(0.3)
+    if ex.run(["test", "-e", dm["dir"] + "/events.sock"], check=False).returncode == 0:
+        bad.append("daemon on %s left its socket" % dm["host"])
+    ex.run(["rm", "-rf", dm["dir"]], check=False)
+    return bad
+
+
+def _ev_rows(lab, hosts=("h0", "h1")) -> dict:
+    """{host: rows of `mrc-xdp ev list --json`} (the EV states in the pinned maps), read on
+    the hosts in parallel."""
+    def one(h):
+        p = lab["execs"][h].run([lab["cli"], "ev", "list", "-i", instance_name(lab["prefix"], h), "--json"])
+        return h, json.loads(p.stdout)
+    with cf.ThreadPoolExecutor(len(hosts)) as pool:
+        return dict(pool.map(one, hosts))
+
+
+def _wait_evs(lab, done, timeout, what):
+    """Poll the EV states of h0 and h1 until done(rows) (which may assert on every sample);
+    returns (rows, seconds)."""
+    t0 = time.monotonic()
+    while True:
+        rows = _ev_rows(lab)
+        if done(rows):
+            return rows, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, "%s: not within %d s: %s" % (what, timeout, {
+            h: sorted({(r["plane"], r["state"], r["reason"]) for r in rs}) for h, rs in rows.items()})
+        time.sleep(0.5)
+
+
+def _plane(rows, plane):
+    return [r for rs in rows.values() for r in rs if r["plane"] == plane]
+
+
+def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_on):
+    """On both targets: `mrc-xdp daemon` on h0 and h1 (netns: in the host's namespace; VMs:
+    in the guest), no data traffic at all.  The plane-1 switch fails: the daemons'
+    background probes of GOOD EVs go unanswered on plane 1, and after 3 in a row each
+    plane-1 EV of both connections (h0 -> h1, h1 -> h0; active and backup) is retired
+    (ASSUMED_BAD, reason PROBE_FAIL); plane 0's stay GOOD at every sample.  After the heal
+    the resurrection probes are answered again and every plane-1 EV is GOOD (PROBE_OK).
+    States are read from the pinned maps with `mrc-xdp ev list --json` on the hosts; the
+    datapaths' spray counters show that no data was sent meanwhile."""
+    lab = lab_on
+    prefix, execs = lab["prefix"], lab["execs"]
+    t_start = time.monotonic()
+    sprayed = {h: _counters(execs[h], prefix, h)["counters"] for h in ("h0", "h1")}
+    dms, problems = [], []
+    try:
+        for h in ("h0", "h1"):
+            dms.append(_daemon_start(lab, h))
+        t_up = {dm["host"]: _daemon_ready(dm) for dm in dms}
+        # EVs that earlier scenarios' losses retired (no daemon ran then) come back first
+        rows, t_good0 = _wait_evs(lab, lambda rs: all(r["state"] == "GOOD" for x in rs.values() for r in x),
+                                  120, "every EV GOOD with the daemons running")
+        assert {h: len(rs) for h, rs in rows.items()} == {"h0": 24, "h1": 24}, rows     # 2 planes x (8 + 4)
+
+        def plane1_retired(rs):
+            bad0 = [(r["ev"], r["state"], r["reason"]) for r in _plane(rs, 0) if r["state"] != "GOOD"]
+            assert not bad0, "plane-0 EVs left GOOD with plane 1 failed: %s" % bad0
+            return all(r["state"] == "ASSUMED_BAD" for r in _plane(rs, 1))
+        lab["fail"](prefix, "p1t0s0")
+        try:
+            rows, t_retire = _wait_evs(lab, plane1_retired, 120, "plane-1 EVs retired by background probes")
+            assert {r["reason"] for r in _plane(rows, 1)} == {"PROBE_FAIL"}, _plane(rows, 1)
+            assert {h for h, rs in rows.items() for r in rs if r["plane"] == 1} == {"h0", "h1"}
+            st = None
+            if lab["target"] == "qemu":      # `lab status` names the frozen VM, does not wait for it
+                p = subprocess.run(LAB_CLI + ["status", "--prefix", prefix, "--json"], capture_output=True,
+                                   text=True, timeout=300)
+                assert p.returncode == 0, p.stderr
+                st = json.loads(p.stdout)
+        finally:
+            lab["heal"](prefix, "p1t0s0")
+        if st is not None:
+            nodes = {n["name"]: n for n in st["nodes"]}
+            assert nodes["p1t0s0"]["state"] == "frozen" and not nodes["p1t0s0"]["exists"], nodes
+            assert all(nodes[n]["exists"] for n in ("h0", "h1", "p0t0s0")), nodes
+            into = [ln for ln in st["links"] if ln["to"] == "p1t0s0"]
+            assert into and all(ln["why"] == "VM p1t0s0 is frozen" and ln["counters"] is None for ln in into)
+
+        def all_good(rs):
+            assert all(r["state"] == "GOOD" for r in _plane(rs, 0)), _plane(rs, 0)
+            return all(r["state"] == "GOOD" for r in _plane(rs, 1))
+        rows, t_heal = _wait_evs(lab, all_good, 120, "plane-1 EVs resurrected after the heal")
+        assert {r["reason"] for r in _plane(rows, 1)} == {"PROBE_OK"}, _plane(rows, 1)
+        for dm in dms:
+            assert _daemon_alive(dm), _daemon_log(dm)
+    finally:
+        for dm in dms:
+            problems += _daemon_stop(dm)
+    assert not problems, problems
+    # probes only: every frame the datapaths sent was a control frame, no data
+    after = {h: _counters(execs[h], prefix, h)["counters"] for h in ("h0", "h1")}
+    for h in ("h0", "h1"):
+        assert after[h]["spray_data"] == sprayed[h]["spray_data"], (h, sprayed[h], after[h])
+        assert after[h]["spray_ctrl"] > sprayed[h]["spray_ctrl"] + 100, (h, sprayed[h], after[h])
+    say("health daemon (%s): started in %s s, EVs GOOD %.1fs, plane 1 retired %.1fs after the failure, "
+        "GOOD %.1fs after the heal; scenario %.0fs"
+        % (lab["target"], {h: round(t, 1) for h, t in t_up.items()}, t_good0, t_retire, t_heal,
+           time.monotonic() - t_start))
 
 
 # ---------------------------------------------------------------- vagrant

@@ -67,42 +67,61 @@ def _open(prefix: str):
 
 
 def status(prefix: str) -> dict:
-    """Nodes, link ends with their settings and counters (summed over CPUs)."""
+    """Nodes, link ends with their settings and counters (summed over CPUs).  A VM lab
+    (`lab up --vm`): the same, read in the VMs over SSH (vm.status)."""
+    from . import vm
+    if vm.is_vm_lab(prefix):
+        return vm.status(prefix)
+    if not os.path.exists(fabric.state_path(prefix)):
+        raise fabric.LabNotUp("lab %r is not up (neither namespaces nor VMs): `mrc-xdp lab up` builds one "
+                              "(`lab up --vm` on VMs; --prefix names another lab)" % prefix)
     st, topo, lm = _open(prefix)
     with lm:
         links = []
         for name, rx, lk in resolve_ends(topo, None):
             cfg = lm.get(rx.ifindex) or {}
-            q = lm.state(rx.ifindex) or {}
-            links.append({
-                "name": name, "link": lk.name, "tier": lk.tier, "plane": lk.plane,
-                "from": rx.peer.node, "to": rx.node, "dev": "%s:%s" % (rx.node, rx.ifname),
-                "ifindex": rx.ifindex,
-                "rate_bps": cfg.get("rate_bps", 0), "ecn": cfg.get("ecn", False),
-                "trim": cfg.get("trim", False), "blackhole": cfg.get("blackhole", False),
-                "loss_ppm": cfg.get("loss_ppm", 0), "flap_period_ms": cfg.get("flap_period_ms", 0),
-                "ecn_bytes": cfg.get("ecn_bytes", 0), "trim_bytes": cfg.get("trim_bytes", 0),
-                "drop_bytes": cfg.get("drop_bytes", 0),
-                "backlog": _drained(q, cfg.get("rate_bps", 0)),
-                "counters": lm.counters(rx.ifindex),
-            })
+            links.append(link_row(name, rx, lk, rx.ifindex, cfg, _drained(lm.state(rx.ifindex) or {},
+                                                                        cfg.get("rate_bps", 0)),
+                                  lm.counters(rx.ifindex)))
     from .. import netns
     nodes = []
     for name, n in topo.nodes.items():
         ns = st["nodes"][name]
-        d = {"name": name, "kind": n.kind, "netns": ns, "exists": netns.exists(ns)}
-        if n.kind == "host":
-            h = topo.host(name)
-            d.update(addr=h.addr, t0=h.t0,
-                     locators=[topo.host_locator(name, p) for p in range(topo.planes)]
-                     if topo.mode == "srv6" else [])
-        else:
-            d.update(plane=n.plane, index=n.index,
-                     usid="%04x" % n.usid() if topo.mode == "srv6" else None)
-        nodes.append(d)
+        nodes.append(node_row(topo, name, netns=ns, exists=netns.exists(ns)))
     return {"prefix": prefix, "mode": topo.mode, "topology": topo.summary(),
             "up_s": st.get("up_s"), "pin_dir": st["pin_dir"], "hosts": st.get("hosts"),
             "nodes": nodes, "links": links}
+
+
+def link_row(name, rx, lk, ifindex, cfg: dict | None, backlog: int | None, counters: dict | None) -> dict:
+    """One link end of `lab status`; cfg None: the end is not modelled (a VM without the
+    link model, or one that did not answer): settings and counters are None."""
+    c = cfg or {}
+    row = {"name": name, "link": lk.name, "tier": lk.tier, "plane": lk.plane,
+           "from": rx.peer.node, "to": rx.node, "dev": "%s:%s" % (rx.node, rx.ifname),
+           "ifindex": ifindex, "modelled": cfg is not None}
+    for k, d in (("rate_bps", 0), ("ecn", False), ("trim", False), ("blackhole", False), ("loss_ppm", 0),
+                 ("flap_period_ms", 0), ("ecn_bytes", 0), ("trim_bytes", 0), ("drop_bytes", 0)):
+        row[k] = c.get(k, d) if cfg is not None else None
+    row["backlog"], row["counters"] = backlog, counters
+    return row
+
+
+def node_row(topo: topomod.Topology, name: str, **where) -> dict:
+    """One node of `lab status`: what the topology says, plus where it runs (netns or vm,
+    exists, ...)."""
+    n = topo.nodes[name]
+    d = {"name": name, "kind": n.kind}
+    d.update(where)
+    if n.kind == "host":
+        h = topo.host(name)
+        d.update(addr=h.addr, t0=h.t0,
+                 locators=[topo.host_locator(name, p) for p in range(topo.planes)]
+                 if topo.mode == "srv6" else [])
+    else:
+        d.update(plane=n.plane, index=n.index,
+                 usid="%04x" % n.usid() if topo.mode == "srv6" else None)
+    return d
 
 
 def _drained(q: dict, rate_bps: int) -> int:
@@ -237,9 +256,18 @@ def _faults(l: dict) -> str:
     return ",".join(f) or "-"
 
 
+def _where(n: dict) -> tuple[str, str]:
+    """Where a node runs and, if it is not running, why: netns NAME or vm NAME [STATE]."""
+    if "vm" in n:
+        bad = "" if n["exists"] else "  [%s]" % (n.get("state") or "missing").upper()
+        return "vm %-14s" % n["vm"], bad
+    return "netns %-14s" % n["netns"], "" if n["exists"] else "  [MISSING]"
+
+
 def format_status(s: dict) -> str:
-    out = ["lab %r: %s%s" % (s["prefix"], s["topology"],
-                             "  (up in %.1fs)" % s["up_s"] if s.get("up_s") else "")]
+    on = "  on VMs (%s, %s)" % (s["target"], s.get("accel")) if s.get("target") else ""
+    out = ["lab %r: %s%s%s" % (s["prefix"], s["topology"],
+                               "  (up in %.1fs)" % s["up_s"] if s.get("up_s") else "", on)]
     hosts = [n for n in s["nodes"] if n["kind"] == "host"]
     sw = [n for n in s["nodes"] if n["kind"] != "host"]
     out.append("hosts:")
@@ -247,9 +275,9 @@ def format_status(s: dict) -> str:
         loc = ("  locators " + " ".join(n["locators"])) if n["locators"] else ""
         dp = (s.get("hosts") or {}).get(n["name"])
         dps = ("  datapath %s" % dp["instance"]) if dp else "  (no datapath)"
-        out.append("  %-8s netns %-14s MRC %s  T0 %d%s%s%s" % (
-            n["name"], n["netns"], n["addr"], n["t0"], dps, loc, "" if n["exists"] else "  [MISSING]"))
-    out.append("switches: " + " ".join(n["name"] + ("" if n["exists"] else "[MISSING]") for n in sw))
+        where, bad = _where(n)
+        out.append("  %-8s %s MRC %s  T0 %d%s%s%s" % (n["name"], where, n["addr"], n["t0"], dps, loc, bad))
+    out.append("switches: " + " ".join(n["name"] + _where(n)[1].replace("  ", "") for n in sw))
     out.append("links (FROM>TO, modelled at TO's port; `lab link set h0-p0t0s0 ...` sets both "
                "directions, `h0>p0t0s0` one):")
     hdr = "  %-18s %-9s %-4s %-14s %10s %10s %8s %8s %8s %8s" % (
@@ -257,6 +285,9 @@ def format_status(s: dict) -> str:
     out.append(hdr)
     for l in s["links"]:
         c = l["counters"]
+        if not l.get("modelled", True) or c is None:
+            out.append("  %-18s (%s)" % (l["name"], l.get("why") or "not modelled"))
+            continue
         drops = sum(v for k, v in c.items() if k.startswith("drop_"))
         out.append("  %-18s %-9s %-4s %-14s %10d %10d %8d %8d %8d %8d" % (
             l["name"], format_rate(l["rate_bps"]), "on" if l["ecn"] else "off", _faults(l),

@@ -241,6 +241,23 @@ def link_counters(pin_dir: str, ifnames: list) -> dict:
         return {n: lm.counters(_ifindex(n)) for n in ifnames}
 
 
+def link_status(pin_dir: str, ifnames: list) -> dict:
+    """`lab status` at this node's receiving ends, by interface name: the guest's ifindex,
+    the link model's settings, its phantom queue's backlog now (this VM's clock) and its
+    counters; an end with no link model entry gives None."""
+    from . import linkmodel as lmod
+    from .cli import _drained
+    out = {}
+    with lmod.LinkModel.open(pin_dir) as lm:
+        for n in ifnames:
+            i = _ifindex(n)
+            cfg = lm.get(i)
+            out[n] = None if cfg is None else {
+                "ifindex": i, "cfg": cfg, "backlog": _drained(lm.state(i) or {}, cfg.get("rate_bps", 0)),
+                "counters": lm.counters(i)}
+    return out
+
+
 def datapath_config(instance: str, changes: dict) -> dict:
     """On a host: change run-time fields of the datapath's mrc_config (e.g. loss_thresh);
     returns their previous values (to restore them)."""
@@ -296,6 +313,7 @@ def traffic_send(local: str, peer: str, dqpn: int, count: int, pps: float, paylo
 
 AGENT = {"traffic_receive": traffic_receive, "traffic_send": traffic_send, "wire_vm": wire_vm, "vm_datapaths": vm_datapaths, "vm_unload": vm_unload,
          "counters": counters, "link_counters": link_counters, "link_update": link_update,
+         "link_status": link_status,
          "datapath_config": datapath_config}
 
 

@@ -611,6 +611,74 @@ def set_link(prefix: str, target: str | None, node_ok: bool = False, warn=None, 
     return done
 
 
+def _qemu_run_state(vm: dict | None) -> str:
+    """running, frozen (SIGSTOP: `lab vm fail`) or gone, from the recorded QEMU's pid."""
+    pid = _qemu_pid(vm) if vm else None
+    if pid is None:
+        return "gone"
+    try:
+        stat = open("/proc/%d/stat" % pid).read()
+    except OSError:
+        return "gone"
+    return "frozen" if stat[stat.rindex(")") + 2:][:1] in ("T", "t") else "running"
+
+
+def status(prefix: str, timeout: float = 120) -> dict:
+    """`lab status` of a VM lab, the netns lab's shape (cli.status): nodes (where each
+    runs: its VM, running / frozen / gone / unreachable) and every link end with the link
+    model's settings and counters, read in the VM that receives on it (executor agent
+    ``link_status``, one call per VM, in parallel).  An end into a VM without the link
+    model, or into one that is frozen or does not answer, is named with the reason."""
+    from .cli import link_row, node_row, resolve_ends
+    st = load_state(prefix)
+    if not st.get("complete"):
+        raise fabric.LabNotUp("VM lab %r is not completely up (an `up` failed or is running): "
+                              "run `mrc-xdp lab down --prefix %s` and `up` again" % (prefix, prefix))
+    topo = topology_of(st)
+    execs = execs_of(st)
+    have = set(linkmodel_nodes(st))
+    vms = {v["name"]: v for v in st.get("created", {}).get("vms", [])}
+    ends = resolve_ends(topo, None)
+    state = {}
+    if st.get("target") == "qemu":
+        state = {n: _qemu_run_state(vms.get(n)) for n in topo.nodes}
+    want = {}
+    for name, rx, lk in ends:
+        if rx.node in have:
+            want.setdefault(rx.node, []).append(rx.ifname)
+    ask = [n for n in topo.nodes if state.get(n, "running") == "running"]
+
+    def probe(n):
+        try:
+            if n in want:
+                return execs[n].call("link_status", pin_dir=fabric.pin_dir(prefix), ifnames=want[n],
+                                     timeout=timeout)
+            execs[n].run(["true"], timeout=min(timeout, 30))
+            return {}
+        except Exception as e:          # named in the output, not fatal
+            return e
+    got = _parallel(probe, ask) if ask else {}
+    for n in ask:
+        state[n] = "unreachable" if isinstance(got.get(n), Exception) else "running"
+    links = []
+    for name, rx, lk in ends:
+        r = got.get(rx.node)
+        end = r.get(rx.ifname) if isinstance(r, dict) else None
+        if end:
+            row = link_row(name, rx, lk, end["ifindex"], end["cfg"], end["backlog"], end["counters"])
+        else:
+            row = link_row(name, rx, lk, None, None, None, None)
+            row["why"] = ("VM %s is %s" % (rx.node, state[rx.node]) if state[rx.node] != "running"
+                          else "not modelled: no link model in VM %s" % rx.node)
+        links.append(row)
+    nodes = [node_row(topo, n, vm=prefix + n, exists=state[n] == "running", state=state[n])
+             for n in topo.nodes]
+    hosts = {n: (d or {}).get("host") for n, d in (st.get("hosts") or {}).items() if (d or {}).get("host")}
+    return {"prefix": prefix, "target": st.get("target"), "accel": st.get("accel"), "mode": topo.mode,
+            "topology": topo.summary(), "up_s": st.get("up_s"), "pin_dir": fabric.pin_dir(prefix),
+            "hosts": hosts, "linkmodel": sorted(have), "nodes": nodes, "links": links}
+
+
 # ---------------------------------------------------------------- Vagrant (vagrant-libvirt)
 LIBVIRT_PIDS = ("/run/mrc-xdp/libvirtd.pid", "/run/mrc-xdp/virtlogd.pid")
 VIRSH = ["virsh", "-c", "qemu:///system"]
