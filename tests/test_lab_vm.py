@@ -40,7 +40,7 @@ import pytest
 
 from mrc_xdp import bootstrap
 from mrc_xdp.lab import fabric, vm
-from mrc_xdp.lab.executor import GUEST_ROOT, SshNode
+from mrc_xdp.lab.executor import GUEST_PY, GUEST_ROOT, SshNode
 from mrc_xdp.lab.hosts import instance_name, qpn
 from mrc_xdp.lab.topology import from_dict, load
 
@@ -475,6 +475,7 @@ def test_lab_link_set_and_heal(lab_on):
     p = subprocess.run(cli + ["status", "--prefix", prefix], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and end in p.stdout and "BLACKHOLE" not in p.stdout, p.stdout + p.stderr
     if lab_on["target"] == "qemu":
+        say(p.stdout)
         assert "on VMs (qemu" in p.stdout and re.search(r"\n  %s>h0 +\(not modelled: no link model in VM h0\)"
                                                        % LM_NODE, p.stdout), p.stdout
     # and with no lab of that name up, one line
@@ -552,6 +553,26 @@ def _daemon_stop(dm, timeout=60) -> list:
     return bad
 
 
+def _probe_figures(lab, dm, rows) -> dict:
+    """From the daemon's status (its socket, asked on the node): background and
+    resurrection probes per plane, sent / answered, and the smoothed RTTs (ms)."""
+    py = GUEST_PY if lab["target"] == "qemu" else os.sys.executable
+    p = dm["ex"].run([py, "-c", "import json, sys; from mrc_xdp import health; "
+                      "print(json.dumps(health.status(sys.argv[1])))", dm["dir"] + "/events.sock"])
+    st = json.loads(p.stdout)["instances"][dm["inst"]]
+    plane = {"%d:%d" % (r["conn"], r["ev"]): r["plane"] for r in rows[dm["host"]]}
+    out = {}
+    for k, v in st["rtt"].items():
+        d = out.setdefault(plane.get(k), {"sent": 0, "answered": 0, "srtt_ms": []})
+        d["sent"] += v["sent"]
+        d["answered"] += v["answered"]
+        if v["srtt"] is not None:
+            d["srtt_ms"].append(round(v["srtt"] * 1000, 1))
+    for d in out.values():
+        d["srtt_ms"] = [min(d["srtt_ms"]), max(d["srtt_ms"])] if d["srtt_ms"] else []
+    return out
+
+
 def _ev_rows(lab, hosts=("h0", "h1")) -> dict:
     """{host: rows of `mrc-xdp ev list --json`} (the EV states in the pinned maps), read on
     the hosts in parallel."""
@@ -606,6 +627,9 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
             bad0 = [(r["ev"], r["state"], r["reason"]) for r in _plane(rs, 0) if r["state"] != "GOOD"]
             assert not bad0, "plane-0 EVs left GOOD with plane 1 failed: %s" % bad0
             return all(r["state"] == "ASSUMED_BAD" for r in _plane(rs, 1))
+        t0 = time.monotonic()
+        _ev_rows(lab)
+        t_poll = time.monotonic() - t0
         lab["fail"](prefix, "p1t0s0")
         try:
             rows, t_retire = _wait_evs(lab, plane1_retired, 120, "plane-1 EVs retired by background probes")
@@ -633,6 +657,10 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
         assert {r["reason"] for r in _plane(rows, 1)} == {"PROBE_OK"}, _plane(rows, 1)
         for dm in dms:
             assert _daemon_alive(dm), _daemon_log(dm)
+        with cf.ThreadPoolExecutor(2) as pool:
+            figs = dict(zip(("h0", "h1"), pool.map(lambda dm: _probe_figures(lab, dm, rows), dms)))
+        for h, f in figs.items():        # both planes were probed and answered (plane 1 after the heal)
+            assert f[0]["answered"] > 0 and f[1]["answered"] > 0 and f[1]["sent"] > f[1]["answered"], (h, f)
     finally:
         for dm in dms:
             problems += _daemon_stop(dm)
@@ -643,9 +671,10 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
         assert after[h]["spray_data"] == sprayed[h]["spray_data"], (h, sprayed[h], after[h])
         assert after[h]["spray_ctrl"] > sprayed[h]["spray_ctrl"] + 100, (h, sprayed[h], after[h])
     say("health daemon (%s): started in %s s, EVs GOOD %.1fs, plane 1 retired %.1fs after the failure, "
-        "GOOD %.1fs after the heal; scenario %.0fs"
+        "GOOD %.1fs after the heal; scenario %.0fs; probes per host and plane (sent, answered, srtt ms "
+        "min-max): %s; one `ev list` of both hosts %.1fs"
         % (lab["target"], {h: round(t, 1) for h, t in t_up.items()}, t_good0, t_retire, t_heal,
-           time.monotonic() - t_start))
+           time.monotonic() - t_start, figs, t_poll))
 
 
 # ---------------------------------------------------------------- vagrant
