@@ -539,6 +539,10 @@ def _daemon_stop(dm, timeout=60) -> list:
     """SIGTERM, then until the process is gone; its socket is removed by the daemon.
     Returns what is wrong (empty: stopped cleanly, directory removed)."""
     ex, bad = dm["ex"], []
+    stat = ex.run(["cat", "/proc/%d/stat" % dm["pid"]], check=False).stdout
+    if ")" in stat:         # CPU time used (utime + stime, in USER_HZ = 100 ticks/s), run time
+        f = stat[stat.rindex(")") + 2:].split()
+        dm["cpu"] = "%.1f s CPU in %.0f s" % ((int(f[11]) + int(f[12])) / 100, time.monotonic() - dm["t0"])
     ex.run(["kill", "-TERM", str(dm["pid"])], check=False)
     deadline = time.monotonic() + timeout
     while _daemon_alive(dm):
@@ -672,9 +676,9 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
         assert after[h]["spray_ctrl"] > sprayed[h]["spray_ctrl"] + 100, (h, sprayed[h], after[h])
     say("health daemon (%s): started in %s s, EVs GOOD %.1fs, plane 1 retired %.1fs after the failure, "
         "GOOD %.1fs after the heal; scenario %.0fs; probes per host and plane (sent, answered, srtt ms "
-        "min-max): %s; one `ev list` of both hosts %.1fs"
+        "min-max): %s; one `ev list` of both hosts %.1fs; daemons used %s"
         % (lab["target"], {h: round(t, 1) for h, t in t_up.items()}, t_good0, t_retire, t_heal,
-           time.monotonic() - t_start, figs, t_poll))
+           time.monotonic() - t_start, figs, t_poll, {dm["host"]: dm.get("cpu") for dm in dms}))
 
 
 # ---------------------------------------------------------------- vagrant
