@@ -331,17 +331,42 @@ def _engine_transfer(lab, tag, timeout=60):
     return sent, planes
 
 
-@pytest.fixture(scope="module", params=["netns", "qemu"])
+# The targets of the scenarios below: CI runs netns and qemu; MRC_LAB_TARGETS=vagrant (or
+# netns,qemu,vagrant) runs them on a `vagrant up` of the same topology too (by hand: about
+# 10 min more under TCG, see vagrant/README.md).
+TARGETS = [t for t in os.environ.get("MRC_LAB_TARGETS", "netns,qemu").split(",") if t]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
 def lab_on(request):
-    """The CI topology on a target, for the scenarios that run on both: `netns` (network
-    namespaces of this machine, `lab up`'s default) or `qemu` (the VM lab above).  Both
-    are built by the same node set-up code; a scenario sees executors per node, the lab
-    control path, the mrc-xdp CLI on the nodes and how to fail / heal a switch (netns:
-    every end of its links blackholed in the link model; VMs: the switch VM frozen)."""
+    """The CI topology on a target, for the scenarios that run on all: `netns` (network
+    namespaces of this machine, `lab up`'s default), `qemu` (the VM lab above) or
+    `vagrant` (the same VMs from the same image, booted by `vagrant up`).  All are built
+    by the same node set-up code; a scenario sees executors per node, the lab control
+    path, the mrc-xdp CLI on the nodes and how to fail / heal a switch (netns: every end
+    of its links blackholed in the link model; VMs: the switch VM frozen)."""
+    if request.param not in ("netns", "qemu", "vagrant"):
+        pytest.fail("MRC_LAB_TARGETS: %r is not a target (netns, qemu, vagrant)" % request.param)
     if request.param == "qemu":
         prefix, topo, st = request.getfixturevalue("vmlab")
         yield {"target": "qemu", "prefix": prefix, "topo": topo, "execs": vm.execs_of(st),
                "control": st["control"], "cli": GUEST_CLI, "fail": vm.fail, "heal": vm.heal}
+        return
+    if request.param == "vagrant":
+        if not shutil.which("vagrant"):
+            pytest.fail("vagrant is not installed: run `make vm-setup`")
+        prefix, topo = "mg%s-" % TAG, from_dict(CI_TOPO)
+        t0 = time.monotonic()
+        try:
+            st = vm.vagrant_up(topo, prefix, progress=say, linkmodel=[LM_NODE])
+            say("timing: vagrant lab up %.0fs (vagrant up %.0fs)" % (time.monotonic() - t0, st["boot_s"]))
+            yield {"target": "vagrant", "prefix": prefix, "topo": topo, "execs": vm.execs_of(st),
+                   "control": st["control"], "cli": GUEST_CLI, "fail": vm.fail, "heal": vm.heal}
+        finally:
+            t0 = time.monotonic()
+            vm.down(prefix, progress=say)
+            say("timing: vagrant lab down %.1fs" % (time.monotonic() - t0))
+        assert vm.leftovers(prefix) == {"qemu": [], "dirs": [], "state_file": []}
         return
     from mrc_xdp.lab import cli as lab_cli
     from mrc_xdp.lab import hosts
@@ -427,7 +452,7 @@ def test_lab_link_set_and_heal(lab_on):
     end = "h0>%s" % LM_NODE
 
     def ping():
-        if lab_on["target"] == "qemu":
+        if lab_on["target"] != "netns":
             return execs["h0"].run(["ping", "-6", "-c", "2", "-i", "0.5", "-W", "3", gw], check=False).returncode
         # this machine has no ping(8): two ICMPv6 echo requests from a raw socket in h0
         return execs["h0"].run([os.sys.executable, "-c", PING6, gw], check=False).returncode
@@ -454,12 +479,12 @@ def test_lab_link_set_and_heal(lab_on):
         e = ends[end]
         assert e["modelled"] and e["blackhole"] and e["loss_ppm"] == 10_000, e
         assert sum(v for k, v in e["counters"].items() if k.startswith("drop_")) >= d1, e
-        if lab_on["target"] == "qemu":      # the ends into VMs without the link model are named
+        if lab_on["target"] != "netns":     # the ends into VMs without the link model are named
             assert {n: ln["why"] for n, ln in ends.items() if not ln["modelled"]} == {
                 n: "not modelled: no link model in VM %s" % ln["to"] for n, ln in ends.items() if ln["to"] != LM_NODE}
         else:
             assert all(ln["modelled"] for ln in ends.values())
-        if lab_on["target"] == "qemu":
+        if lab_on["target"] != "netns":
             # a link's other direction ends at h0, which has no link model: named, not silently skipped
             p = subprocess.run(cli + ["link", "set", "h0-%s" % LM_NODE, "rate", "100M", "--prefix", prefix],
                                capture_output=True, text=True, timeout=120)
@@ -474,9 +499,9 @@ def test_lab_link_set_and_heal(lab_on):
     assert ping() == 0
     p = subprocess.run(cli + ["status", "--prefix", prefix], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and end in p.stdout and "BLACKHOLE" not in p.stdout, p.stdout + p.stderr
-    if lab_on["target"] == "qemu":
+    if lab_on["target"] != "netns":
         say(p.stdout)
-        assert "on VMs (qemu" in p.stdout and re.search(r"\n  %s>h0 +\(not modelled: no link model in VM h0\)"
+        assert "on VMs (%s" % lab_on["target"] in p.stdout and re.search(r"\n  %s>h0 +\(not modelled: no link model in VM h0\)"
                                                        % LM_NODE, p.stdout), p.stdout
     # and with no lab of that name up, one line
     p = subprocess.run(cli + ["status", "--prefix", "zz%s-" % TAG], capture_output=True, text=True, timeout=60)
@@ -560,7 +585,7 @@ def _daemon_stop(dm, timeout=60) -> list:
 def _probe_figures(lab, dm, rows) -> dict:
     """From the daemon's status (its socket, asked on the node): background and
     resurrection probes per plane, sent / answered, and the smoothed RTTs (ms)."""
-    py = GUEST_PY if lab["target"] == "qemu" else os.sys.executable
+    py = GUEST_PY if lab["target"] != "netns" else os.sys.executable
     p = dm["ex"].run([py, "-c", "import json, sys; from mrc_xdp import health; "
                       "print(json.dumps(health.status(sys.argv[1])))", dm["dir"] + "/events.sock"])
     st = json.loads(p.stdout)["instances"][dm["inst"]]
@@ -640,7 +665,7 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
             assert {r["reason"] for r in _plane(rows, 1)} == {"PROBE_FAIL"}, _plane(rows, 1)
             assert {h for h, rs in rows.items() for r in rs if r["plane"] == 1} == {"h0", "h1"}
             st = None
-            if lab["target"] == "qemu":      # `lab status` names the frozen VM, does not wait for it
+            if lab["target"] != "netns":     # `lab status` names the frozen VM, does not wait for it
                 p = subprocess.run(LAB_CLI + ["status", "--prefix", prefix, "--json"], capture_output=True,
                                    text=True, timeout=300)
                 assert p.returncode == 0, p.stderr

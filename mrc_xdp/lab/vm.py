@@ -552,8 +552,9 @@ def _end_qemus(st: dict) -> list[str]:
 
 
 def fail(prefix: str, node: str) -> None:
-    """A switch (or host) VM fails: its QEMU is frozen (SIGSTOP), so it forwards nothing
-    and answers nothing; frames sent to it are lost.  heal() resumes it."""
+    """A switch (or host) VM fails: its QEMU is frozen (SIGSTOP; on a Vagrant lab its
+    libvirt domain is paused), so it forwards nothing and answers nothing; frames sent
+    to it are lost.  heal() resumes it."""
     _signal_node(prefix, node, signal.SIGSTOP)
 
 
@@ -563,8 +564,21 @@ def heal(prefix: str, node: str) -> None:
 
 def _signal_node(prefix: str, node: str, sig) -> None:
     st = load_state(prefix)
+    if st.get("target") == "vagrant":
+        # the libvirt domain (vagrant-libvirt names it <prefix><node>) is paused and
+        # resumed: the same as freezing the QEMU process, through its owner
+        now = _vagrant_run_state(prefix, node)
+        if now == "gone":
+            raise VmError("no running VM %r in lab %r" % (node, prefix))
+        op = "suspend" if sig == signal.SIGSTOP else "resume"
+        if now == ("frozen" if op == "suspend" else "running"):
+            return
+        p = subprocess.run(VIRSH + [op, prefix + node], capture_output=True, text=True, timeout=60)
+        if p.returncode:
+            raise VmError("virsh %s %s: %s" % (op, prefix + node, _last(p)))
+        return
     if st.get("target") != "qemu":
-        raise VmError("fail/heal of a VM is implemented for the plain-QEMU runner only")
+        raise VmError("fail/heal of a VM: lab %r is neither a QEMU nor a Vagrant lab" % prefix)
     vm = next((v for v in st.get("created", {}).get("vms", []) if v["name"] == node), None)
     pid = _qemu_pid(vm) if vm else None
     if pid is None:
@@ -623,6 +637,13 @@ def _qemu_run_state(vm: dict | None) -> str:
     return "frozen" if stat[stat.rindex(")") + 2:][:1] in ("T", "t") else "running"
 
 
+def _vagrant_run_state(prefix: str, node: str) -> str:
+    """running, frozen (a paused domain: `lab vm fail`) or gone, from libvirt."""
+    p = subprocess.run(VIRSH + ["domstate", prefix + node], capture_output=True, text=True, timeout=60)
+    s = p.stdout.strip() if p.returncode == 0 else ""
+    return {"running": "running", "paused": "frozen"}.get(s, "gone")
+
+
 def status(prefix: str, timeout: float = 120) -> dict:
     """`lab status` of a VM lab, the netns lab's shape (cli.status): nodes (where each
     runs: its VM, running / frozen / gone / unreachable) and every link end with the link
@@ -642,6 +663,8 @@ def status(prefix: str, timeout: float = 120) -> dict:
     state = {}
     if st.get("target") == "qemu":
         state = {n: _qemu_run_state(vms.get(n)) for n in topo.nodes}
+    elif st.get("target") == "vagrant":
+        state = {n: _vagrant_run_state(prefix, n) for n in topo.nodes}
     want = {}
     for name, rx, lk in ends:
         if rx.node in have:
