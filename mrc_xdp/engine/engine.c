@@ -297,7 +297,9 @@ struct txp {                 /* one sent PSN (slot psn & (win - 1)) */
 	uint64_t tx_ns;
 	uint64_t txseq;          /* the QP's send order of the last transmission */
 	uint32_t psn, len;
-	uint8_t state, nsent, queued, last, rto;   /* rto: resent by the RTO (a probe) */
+	uint8_t state, nsent, queued, last;
+	uint8_t rto;             /* resent by the RTO: 1 (AckReq), 2 (its probe of a repeated
+	                          * expiry: AckReq, and sent twice) */
 };
 
 struct rmsg {                /* receiver: one message by MSN */
@@ -326,8 +328,6 @@ struct qp {
 	uint32_t cc_alpha;                       /* EWMA of the ECN fraction, /1024 (DCTCP's alpha) */
 	uint64_t pace_ns;                        /* pacing: the next packet leaves no earlier */
 	uint32_t retries, peer_mpr;
-	uint32_t rto_copy_psn;                   /* a repeated RTO's probe: its second copy pending */
-	int rto_copy;
 	/* receiver */
 	uint32_t rcv_cack, rcv_ooo;
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
@@ -1001,10 +1001,11 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 	if (d >= 64 && d < PSN_HALF)
 		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0);
 	/* A duplicate says the sender did not hear our last SACK (or its packet was late),
-	 * and an RTO probe (RTX with AckReq) that it heard nothing for a while: say it twice.  Spray gives a connection's consecutive frames to different planes,
-	 * so with a plane (or a T1) dead one of the two gets through; without it the
-	 * sender's RTO probe and our answer each cross the dead plane half the time, and a
-	 * QP could spend its retry budget on coin tosses. */
+	 * and an RTO probe (RTX with AckReq) that it heard nothing for a while: say it
+	 * twice.  Spray gives a connection's consecutive frames to different planes, so
+	 * with a plane (or a T1) dead one of the two gets through; without it the sender's
+	 * RTO probe and our answer each cross the dead plane half the time, and a QP could
+	 * spend its retry budget on coin tosses. */
 	if (q->ack_dup)
 		sack_frame(e, q, q->rcv_cack, 1);
 	q->ack_dup = 0;
@@ -1577,10 +1578,9 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 			t->queued = 0;
 			q->rtx_head++;
 			sent++;
-			if (q->rto_copy && q->rto_copy_psn == t->psn) {
+			if (t->rto == 2) {
 				/* the second copy of a repeated RTO's probe: spray puts it on
 				 * another plane than the first; one PSN in flight, counted once */
-				q->rto_copy = 0;
 				if (!send_data(e, q, t, 1)) {
 					q->inflight -= t->len ? t->len : 1;
 					sent++;
@@ -1665,8 +1665,6 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		 * selectively, and the window halves (at most once per RTT); the probe then
 		 * goes out twice (two planes: see send_sack), as a plane whose failure the
 		 * datapath has not seen yet would otherwise take half of the probes */
-		q->rto_copy = q->retries > 1;
-		q->rto_copy_psn = q->snd_una;
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
@@ -1676,6 +1674,12 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 				mark_lost(q, t);
 				q->st.rtx_timeout++;
 			}
+		}
+		if (q->retries > 1) {        /* the probe: sent twice when it goes out */
+			struct txp *u = &q->tx[q->snd_una & q->mask];
+
+			if (u->psn == q->snd_una && u->state == TXP_LOST)
+				u->rto = 2;
 		}
 		q->rto = q->rto * 2 > (uint64_t)e->o.rto_max_us * 1000 ? (uint64_t)e->o.rto_max_us * 1000 : q->rto * 2;
 		if (q->retries > 1)
