@@ -486,7 +486,10 @@ def _room_for(dirfd: int, directory: str, name: str, size: int, overwrite: bool)
     if st is not None and not overwrite:
         raise bs.BootstrapError("%s exists in %s and the receiver runs without --overwrite: not received"
                              % (name, directory))
-    vfs = os.statvfs(dirfd)
+    try:
+        vfs = os.statvfs(dirfd)
+    except OSError as e:
+        raise bs.BootstrapError("%s: cannot tell the space free (%s)" % (directory, e.strerror)) from None
     free = vfs.f_bavail * vfs.f_frsize
     if size > free:
         raise bs.BootstrapError("%s is %s, %s has %s free: not received" % (name, _mib(size), directory, _mib(free)))

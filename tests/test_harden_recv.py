@@ -235,6 +235,7 @@ def test_server_rejects_bad_bootstrap_input(pair, servers, cmd, lines, why):
     keeps waiting; DIR gets nothing."""
     srv = servers[cmd]
     since = len(srv.err)
+    assert srv.p.poll() is None, ("the server is gone", srv.err)
     s = _connect(pair["a"], srv.port)
     with s:
         for ln in lines:
