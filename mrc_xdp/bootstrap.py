@@ -7,6 +7,12 @@ life of a test so the two sides can also synchronise (``barrier``) and exchange
 results.  Every failure is a ``BootstrapError`` whose message is one line saying what
 failed and what to do.
 
+The peer is not trusted: each line is bounded in size and nesting before it is parsed,
+and every message is checked against its type's schema (``check_msg``, the one place
+that says what a hello, a qps list, a result... may hold) before anyone uses it.  A
+listener serves the first client whose hello passes; the others are told why, logged
+and dropped, and the wait goes on.
+
 Attributes of one QP (``qp_attrs``)::
 
     {"addr": "<MRC IPv6>", "qpn": 256, "start_psn": 123, "mtu": 3328,

@@ -304,16 +304,23 @@ CLIENT_CASES = [
     ("deep JSON", ["write-bw"], [b'{"type":"qps","qps":' + b"[" * 100000 + b"\n"], "nested"),
     ("NaN", ["write-bw"], [b'{"type":"qps","qps":[{"addr":"fd00:7a::b","qpn":NaN}]}\n'], "NaN"),
     ("error over lines", ["write-bw"], [{"error": "bad\nworse\n" * 400}], "bad worse bad"),
+    # an empty file needs no RDMA Write: the sender reaches the receiver's verdict at once
+    ("verdict no sha256", ["send", "EMPTY"], [qps(sqp()), {"type": "barrier", "name": "go"}, {"type": "verdict"}],
+     "sha256 is missing"),
 ]
 
 
 @pytest.mark.parametrize("cmd,answers,why", [c[1:] for c in CLIENT_CASES], ids=[c[0] for c in CLIENT_CASES])
-def test_client_rejects_bad_server_answers(pair, cmd, answers, why):
+def test_client_rejects_bad_server_answers(pair, tmp_path, cmd, answers, why):
     port = next(_ports)
     got = []
+    (tmp_path / "empty").write_bytes(b"")
+    argv = [str(tmp_path / "empty") if a == "EMPTY" else a for a in cmd] + [B_CTL]
+    if cmd[0] != "send":
+        argv += ["--size", "4096"]
     t = _fake_server(pair, port, answers, got)
-    r = subprocess.run(CLI + cmd + [B_CTL, "-i", pair["a"], "--port", str(port), "--timeout", "5",
-                                    "--size", "4096"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(CLI + argv + ["-i", pair["a"], "--port", str(port), "--timeout", "5"],
+                       capture_output=True, text=True, timeout=60)
     t.join(30)
     assert r.returncode == 1, (r.returncode, r.stderr)
     one_line(r.stderr)
