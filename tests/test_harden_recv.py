@@ -546,6 +546,41 @@ def test_silent_peer_after_go_is_given_up(pair, tmp_path, cmd):
     _nothing_behind(pair)
 
 
+def test_stopped_sender_is_given_up(pair, tmp_path):
+    """A real `send` stopped (SIGSTOP) once the receiver has its file: the receiver gives
+    up after --timeout without progress, in one line, and keeps nothing; the sender,
+    continued, fails in one line and leaves no connection behind.  (Small packets keep the
+    transfer long enough to be caught midway; wherever it is caught, the waits are
+    bounded.)"""
+    d = tmp_path / "in"
+    d.mkdir()
+    src = tmp_path / "big.bin"
+    with open(src, "wb") as f:
+        f.write(os.urandom(1 << 20) * 64)
+    srv = Server(pair, ["recv", str(d)], extra=["--timeout", "2"])
+    snd = subprocess.Popen(CLI + ["send", str(src), B_CTL, "-i", pair["a"], "--port", str(srv.port),
+                                  "--timeout", "5", "--mtu", "256"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not os.listdir(d) and time.monotonic() < end and snd.poll() is None:
+            time.sleep(0.02)
+        snd.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = srv.finish(timeout=30)
+        assert rc == 1 and time.monotonic() - t0 < 30, srv.err
+    finally:
+        srv.stop()
+        snd.send_signal(signal.SIGCONT)
+        _, serr = snd.communicate(timeout=60)
+    one_line(srv.err[-1])
+    assert "Traceback" not in "\n".join(srv.err), srv.err
+    assert snd.returncode == 1 and "Traceback" not in serr, serr
+    one_line(serr)
+    assert os.listdir(d) == []
+    _nothing_behind(pair)
+
+
 # ------------------------------------------------------------------ item 11: the sender's mapping
 
 def test_failed_send_unmaps_its_file(pair, tmp_path):
