@@ -775,7 +775,8 @@ def add_parsers(sub) -> None:
     p.set_defaults(fn=_guard(cmd_qps))
 
     p = sub.add_parser("recv", help="receive one file from `send` into DIR, verified by sha256")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help="where the file goes: under a temporary name (.mrc-recv.*), "
+                   "its space reserved first, renamed to the sender's name once its sha256 matches")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a file of the sender's name in DIR (a symlink itself, never its target; "
                         "default: refuse the sender)")
