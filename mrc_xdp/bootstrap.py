@@ -222,7 +222,7 @@ class Listener:
             if s.family == socket.AF_INET6 and bind == "::":
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             s.bind((bind, port))
-            s.listen(8)
+            s.listen(4 * MAX_PENDING)     # room for the connections accept() weeds out
             return s
         try:
             self.sock = netns.run(ns, mk)
@@ -268,6 +268,8 @@ class Listener:
                         if len(pending) >= MAX_PENDING:
                             refuse(min(pending.values(), key=lambda p: p[1])[0], "too many connections at once")
                         pending[c] = (ch, now + HELLO_TIMEOUT)
+                        continue
+                    if s not in pending:        # refused above, to make room
                         continue
                     ch = pending[s][0]
                     try:

@@ -502,6 +502,34 @@ def test_stray_connections_do_not_end_a_waiting_server(pair, tmp_path):
     _nothing_behind(pair)
 
 
+def test_many_silent_connections_do_not_hide_a_client():
+    """More silent connections than the listener keeps waiting at once, then a client:
+    the oldest silent ones are dropped (logged), the client is served before any hello
+    is due (the bootstrap alone, over loopback)."""
+    port = next(_ports)
+    log, got = [], {}
+    with bs.Listener(port, bind="::1") as lst:
+        def serve():
+            try:
+                got["ch"] = lst.accept(timeout=bs.HELLO_TIMEOUT - 2, log=log.append)
+            except bs.BootstrapError as e:
+                got["error"] = e
+        t = threading.Thread(target=serve)
+        t.start()
+        silent = []
+        try:
+            for _ in range(bs.MAX_PENDING + 4):
+                silent.append(socket.create_connection(("::1", port), timeout=15))
+            with bs.connect("::1", port, timeout=5, hello={"cmd": "write-bw"}):
+                t.join(bs.HELLO_TIMEOUT)
+        finally:
+            for s in silent:
+                s.close()
+    assert "ch" in got and got["ch"].hello["cmd"] == "write-bw", got
+    got["ch"].close()
+    assert len(log) >= 4 and all("too many connections" in ln for ln in log), log
+
+
 class SilentClient:
     """A real client (an endpoint on A, a QP connected to the server's) that goes silent
     after the server said go, without closing its TCP connection."""
