@@ -319,7 +319,7 @@ def test_client_rejects_bad_server_answers(pair, tmp_path, cmd, answers, why):
     if cmd[0] != "send":
         argv += ["--size", "4096"]
     t = _fake_server(pair, port, answers, got)
-    r = subprocess.run(CLI + argv + ["-i", pair["a"], "--port", str(port), "--timeout", "5"],
+    r = subprocess.run(CLI + argv + ["-i", pair["a"], "--port", str(port), "--timeout", "15"],
                        capture_output=True, text=True, timeout=60)
     t.join(30)
     assert r.returncode == 1, (r.returncode, r.stderr)
