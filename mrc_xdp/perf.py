@@ -13,18 +13,19 @@ tables or, with --json, as one JSON line.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
+import stat
 import sys
-import threading
 import time
 
 from . import bootstrap as bs
 
 DEFAULT_SIZE = 65536
-MAX_QPS = 60          # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
+MAX_QPS = bs.MAX_QPS  # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
 CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
 
@@ -74,7 +75,7 @@ class Session:
         if len(remote) != len(self.qps):
             raise PerfError("the peer offered %d QPs, this side has %d" % (len(remote), len(self.qps)))
         for q, r in zip(self.qps, remote):
-            q.connect(bs.check_qp_attrs(r))
+            q.connect(bs.check_qp_attrs(r, local=self.ep.local_addr))
 
     def stats(self) -> list[dict]:
         out = []
@@ -148,6 +149,66 @@ def _drain(ep, timeout, what):
     return got
 
 
+def _await(ch, kind: str, s: Session, timeout: float, what: str, **ctx) -> dict:
+    """The peer's next message (of type kind), waited for as long as data keeps arriving
+    at s's QPs: a sender that vanished (or was stopped) without closing its connection
+    is given up after timeout seconds with neither data nor a message."""
+    seen, since = None, time.monotonic()
+    while True:
+        try:
+            return ch.expect(kind, min(1.0, timeout), **ctx)
+        except bs.BootstrapTimeout:
+            pass
+        rx = sum(q.get("rx_pkts", 0) + q.get("rx_dup", 0) for q in s.stats())
+        if rx != seen:
+            seen, since = rx, time.monotonic()
+        elif time.monotonic() - since >= timeout:
+            raise PerfError("%s: no data and no message from %s for %.0f s (%d packets received): the "
+                            "sender stopped or vanished" % (what, ch.peer, timeout, rx))
+
+
+def _stderr_log(cmd: str):
+    return lambda line: print("mrc-xdp %s: %s" % (cmd, line), file=sys.stderr, flush=True)
+
+
+def _serve(instance, ns, port, bind, accept_timeout, timeout, cmd, log=None, agree=None, prepare=None,
+           need_mr=None):
+    """The first client that asks for cmd with a valid hello and valid QP attributes
+    (bootstrap.check_msg); every other one is told why, logged (log, default stderr) and
+    the wait goes on, for accept_timeout seconds in all (None: for ever).  agree(hello):
+    this server's own conditions, before the QPs are read; prepare(ch): what the transfer
+    needs once agreed, kept as ch.prepared (both raise BootstrapError to refuse);
+    need_mr(hello): the MR bytes the client's QPs must offer.  The channel's .remote
+    holds the client's QP attributes."""
+    local = _transport().local_addr(instance)
+    wants = "send" if cmd == "recv" else cmd
+
+    def check(ch):
+        h = bs.check_msg("hello", ch.hello, ch.peer, cmd=wants)
+        if agree:
+            agree(h)
+        ch.remote = ch.expect("qps", min(timeout, bs.HELLO_TIMEOUT), n=h.get("qps", 1), local=local,
+                              need_mr=need_mr(h) if need_mr else None)["qps"]
+        ch.prepared = prepare(ch) if prepare else None
+    lst = bs.Listener(port, bind=bind, ns=ns)
+    try:
+        return lst.accept(accept_timeout, check=check, log=log or _stderr_log(cmd))
+    finally:
+        lst.close()
+
+
+@contextlib.contextmanager
+def _telling(ch):
+    """The peer hears (in one line) why this side failed; then the error goes on."""
+    try:
+        yield
+    except Exception as e:
+        ch.reject(str(e))
+        raise
+    finally:
+        ch.close()
+
+
 def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int = DEFAULT_SIZE,
                     iters: int | None = None, duration: float | None = None, qps: int = 1,
                     port: int = bs.DEFAULT_PORT, tx_depth: int | None = None, mtu: int | None = None,
@@ -166,7 +227,7 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
         s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
                           hello={"cmd": "write-bw", "size": size, "qps": qps})
         s.ch.send({"type": "qps", "qps": s.attrs()})
-        remote = s.ch.expect("qps", timeout)["qps"]
+        remote = s.ch.expect("qps", timeout, n=qps, local=s.ep.local_addr, need_mr=size)["qps"]
         s.connect(remote)
         s.ch.barrier("go", timeout)
         prog = Progress(progress, "write-bw")
@@ -215,54 +276,22 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
         return res
 
 
-def _serve(instance, ns, port, bind, timeout, cmd):
-    lst = bs.Listener(port, bind=bind, ns=ns)
-    try:
-        ch = lst.accept(timeout=None if timeout is None else timeout)
-    finally:
-        lst.close()
-    if ch.hello.get("cmd") != cmd:
-        ch.send({"error": "this server runs %s, the client asked for %s" % (cmd, ch.hello.get("cmd"))})
-        ch.close()
-        raise PerfError("client %s asked for %s, this server runs %s" % (ch.peer, ch.hello.get("cmd"), cmd))
-    return ch
-
-
 def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                     bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                    timeout: float = 30.0) -> dict:
-    ch = _serve(instance, ns, port, bind, accept_timeout, "write-bw")
-    try:
-        size, qps = int(ch.hello.get("size", 0)), int(ch.hello.get("qps", 1))
-        if not (1 <= size <= 1 << 30 and 1 <= qps <= MAX_QPS):
-            ch.send({"error": "size %d / qps %d out of range (1..1 GiB, 1..%d)" % (size, qps, MAX_QPS)})
-            raise PerfError("client asked for size %d, qps %d: out of range" % (size, qps))
+                    timeout: float = 30.0, log=None) -> dict:
+    ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-bw", log)
+    with _telling(ch):
+        size, qps = ch.hello["size"], ch.hello["qps"]
         with Session(instance, ns, mtu, "write-bw server") as s:
-            s.ch = ch
-            dst = bytearray(size)
-            s.mr = s.ep.reg_mr(dst)
+            s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(qps)
-            remote = ch.expect("qps", timeout)["qps"]
             ch.send({"type": "qps", "qps": s.attrs()})
-            s.connect(remote)
+            s.connect(ch.remote)
             ch.barrier("go", timeout)
-            res = ch.expect("result", 10 * 86400)["result"]
+            res = _await(ch, "result", s, timeout, "write-bw", cmd="write-bw")["result"]
             res["server_qp_stats"] = _summ_qp_stats(s.stats())
             ch.barrier("done", timeout)
-            s.ch = None
             return res
-    except BaseException:
-        with_suppress(ch.close)
-        raise
-    finally:
-        ch.close()
-
-
-def with_suppress(fn):
-    try:
-        fn()
-    except Exception:
-        pass
 
 
 # ------------------------------------------------------------------ write-lat
@@ -324,7 +353,7 @@ def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int 
         s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
                           hello={"cmd": "write-lat", "size": size, "iters": iters})
         s.ch.send({"type": "qps", "qps": s.attrs()})
-        remote = s.ch.expect("qps", timeout)["qps"]
+        remote = s.ch.expect("qps", timeout, n=1, local=s.ep.local_addr, need_mr=size)["qps"]
         s.connect(remote)
         s.ch.barrier("go", timeout)
         lat = _lat_loop(s, remote, size, iters, True, timeout)
@@ -337,43 +366,53 @@ def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int 
 
 def write_lat_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                      bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                     timeout: float = 30.0) -> dict:
-    ch = _serve(instance, ns, port, bind, accept_timeout, "write-lat")
-    try:
-        size, iters = int(ch.hello.get("size", 8)), int(ch.hello.get("iters", 1000))
-        if not (1 <= size <= 1 << 30 and 1 <= iters <= 10**8):
-            ch.send({"error": "size %d / iters %d out of range" % (size, iters)})
-            raise PerfError("client asked for size %d, iters %d: out of range" % (size, iters))
+                     timeout: float = 30.0, log=None) -> dict:
+    ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-lat", log,
+                need_mr=lambda h: h["size"])
+    with _telling(ch):
+        size, iters = ch.hello["size"], ch.hello["iters"]
         with Session(instance, ns, mtu, "write-lat server") as s:
-            s.ch = ch
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(1)
-            remote = ch.expect("qps", timeout)["qps"]
             ch.send({"type": "qps", "qps": s.attrs()})
-            s.connect(remote)
+            s.connect(ch.remote)
             ch.barrier("go", timeout)
-            _lat_loop(s, remote, size, iters, False, timeout)
-            res = ch.expect("result", timeout)["result"]
+            _lat_loop(s, ch.remote, size, iters, False, timeout)
+            res = ch.expect("result", timeout, cmd="write-lat")["result"]
             ch.barrier("done", timeout)
-            s.ch = None
             return res
-    finally:
-        ch.close()
 
 
 # ------------------------------------------------------------------ send / recv
 
 def _close_map(m) -> None:
-    """Unmap now if nothing holds the mapping; else (the MR object still does) it is
-    unmapped when that goes.  MAP_SHARED writes are in the file either way."""
+    """Unmap now (the endpoint that read or wrote it is closed, and has let go of it);
+    should something still hold it, it is unmapped when that goes."""
     try:
         m.close()
     except BufferError:
         pass
 
 
+@contextlib.contextmanager
+def _mapped(fd: int, size: int, write: bool):
+    """fd's first size bytes mapped (an empty file: b""), unmapped on the way out."""
+    if not size:
+        yield b""
+        return
+    m = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if write else 0))
+    try:
+        yield m
+    finally:
+        _close_map(m)
+
+
 def _sha256(buf) -> str:
     return hashlib.sha256(buf).hexdigest()
+
+
+def _mib(n: int) -> str:
+    return "%.1f MiB" % (n / 2**20) if n < 1 << 40 else "%.1f TiB" % (n / 2**40)
 
 
 def send_file(path: str, peer: str, instance: str, ns: str | None = None,
@@ -384,9 +423,8 @@ def send_file(path: str, peer: str, instance: str, ns: str | None = None,
         f = open(path, "rb")
     except OSError as e:
         raise PerfError("send: cannot read %s (%s)" % (path, e.strerror)) from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        buf = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+    with f, _mapped(f.fileno(), os.fstat(f.fileno()).st_size, False) as buf:
+        size = len(buf)
         digest = _sha256(buf)
         with Session(instance, ns, mtu, "send") as s:
             # the engine reads the mapping in place (a read-only MR: local access only)
@@ -397,7 +435,7 @@ def send_file(path: str, peer: str, instance: str, ns: str | None = None,
                               hello={"cmd": "send", "name": os.path.basename(path), "size": size,
                                      "sha256": digest})
             s.ch.send({"type": "qps", "qps": s.attrs()})
-            remote = s.ch.expect("qps", timeout)["qps"]
+            remote = s.ch.expect("qps", timeout, n=1, local=s.ep.local_addr, need_mr=size)["qps"]
             s.connect(remote)
             s.ch.barrier("go", timeout)
             q, r = s.qps[0], remote[0]["mr"]
@@ -422,10 +460,9 @@ def send_file(path: str, peer: str, instance: str, ns: str | None = None,
             el = time.monotonic() - t0
             st = _summ_qp_stats(s.stats())
             s.ch.send({"type": "done", "sha256": digest, "seconds": el})
-            verdict = s.ch.expect("verdict", timeout)
+            # the receiver hashes and syncs its copy before it answers
+            verdict = s.ch.expect("verdict", timeout + size / 100e6)
             s.ch.barrier("done", timeout)
-        if size:
-            _close_map(buf)
     res = {"test": "send", "file": path, "bytes": size, "sha256": digest, "seconds": el,
            "goodput_bps": size * 8 / el if el > 0 else 0.0, "receiver_sha256": verdict["sha256"],
            "intact": verdict["sha256"] == digest, "saved_as": verdict.get("path"), "qp_stats": st}
@@ -435,54 +472,142 @@ def send_file(path: str, peer: str, instance: str, ns: str | None = None,
     return res
 
 
+def _room_for(dirfd: int, directory: str, name: str, size: int, overwrite: bool) -> None:
+    """BootstrapError unless `name` may be received into directory: not an existing name
+    (without overwrite; never a directory), and size fits in the space free."""
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise bs.BootstrapError("%s: %s" % (name, e.strerror)) from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise bs.BootstrapError("%s exists in %s and is a directory: not received" % (name, directory))
+    if st is not None and not overwrite:
+        raise bs.BootstrapError("%s exists in %s and the receiver runs without --overwrite: not received"
+                             % (name, directory))
+    try:
+        vfs = os.statvfs(dirfd)
+    except OSError as e:
+        raise bs.BootstrapError("%s: cannot tell the space free (%s)" % (directory, e.strerror)) from None
+    free = vfs.f_bavail * vfs.f_frsize
+    if size > free:
+        raise bs.BootstrapError("%s is %s, %s has %s free: not received" % (name, _mib(size), directory, _mib(free)))
+
+
+
+class _Incoming:
+    """The file being received, under a temporary name in its directory (created with
+    O_EXCL | O_NOFOLLOW, its size reserved with posix_fallocate, so a full file system
+    refuses it here rather than faulting the mapping later); commit() moves it to its
+    name once verified, anything else removes it."""
+
+    def __init__(self, dirfd: int, directory: str, name: str, size: int, overwrite: bool):
+        self.dirfd, self.directory, self.name, self.size = dirfd, directory, name, size
+        self.overwrite = overwrite
+        self.tmp = ".mrc-recv.%s" % os.urandom(8).hex()
+        self.map = None
+        try:
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o666, dir_fd=dirfd)
+        except OSError as e:
+            raise bs.BootstrapError("cannot create a file in %s (%s)" % (directory, e.strerror)) from None
+        try:
+            if size:
+                os.posix_fallocate(self.fd, 0, size)
+                self.map = mmap.mmap(self.fd, size)
+        except OSError as e:
+            self.discard()
+            raise bs.BootstrapError("%s: cannot reserve %s in %s (%s): not received"
+                                 % (name, _mib(size), directory, e.strerror)) from None
+
+    def buffer(self):
+        return self.map if self.map is not None else bytearray(1)
+
+    def digest(self) -> str:
+        return _sha256(self.map if self.map is not None else b"")
+
+    def commit(self) -> str:
+        """Synced, and under its name (replacing what is there only with overwrite)."""
+        try:
+            if self.map is not None:
+                self.map.flush()
+                _close_map(self.map)
+                self.map = None
+            os.fsync(self.fd)
+            d = dict(src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            if self.overwrite:
+                os.replace(self.tmp, self.name, **d)
+            else:
+                try:        # a hard link never replaces a name that appeared meanwhile
+                    os.link(self.tmp, self.name, **d)
+                except FileExistsError:
+                    raise PerfError("recv: %s appeared in %s during the transfer: not replaced"
+                                    % (self.name, self.directory)) from None
+                os.unlink(self.tmp, dir_fd=self.dirfd)
+        except OSError as e:
+            raise PerfError("recv: cannot save %s in %s (%s)" % (self.name, self.directory, e.strerror)) from None
+        self.tmp = None
+        return os.path.join(self.directory, self.name)
+
+    def discard(self) -> None:
+        if self.map is not None:
+            _close_map(self.map)
+            self.map = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp, dir_fd=self.dirfd)
+            self.tmp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.discard()
+
+
 def recv_file(directory: str, instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
               bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-              timeout: float = 30.0) -> dict:
+              timeout: float = 30.0, overwrite: bool = False, log=None) -> dict:
     """Receive one file (send_file) into directory; the engine writes straight into the
-    memory-mapped file.  Verifies the sender's sha256."""
-    if not os.path.isdir(directory):
-        raise PerfError("recv: %s is not a directory" % directory)
-    ch = _serve(instance, ns, port, bind, accept_timeout, "send")
+    memory-mapped file, which is created (under a temporary name) only once the sender's
+    hello and QPs are agreed and its size reserved, and gets its name only once its
+    sha256 matches the sender's.  An existing name is replaced only with overwrite (a
+    symlink itself, never what it points to); a directory never."""
     try:
-        name = os.path.basename(str(ch.hello.get("name") or "received"))
-        if name in ("", ".", ".."):
-            name = "received"
-        size = int(ch.hello.get("size", -1))
-        if size < 0:
-            ch.send({"error": "no file size given"})
-            raise PerfError("client sent no file size")
-        path = os.path.join(directory, name)
-        with open(path, "w+b") as f:
-            f.truncate(size)
-            buf = mmap.mmap(f.fileno(), size) if size else bytearray(1)
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise PerfError("recv: %s: %s (give an existing directory)" % (directory, e.strerror)) from None
+    try:
+        ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "recv", log,
+                    agree=lambda h: _room_for(dirfd, directory, h["name"], h["size"], overwrite),
+                    prepare=lambda ch: _Incoming(dirfd, directory, ch.hello["name"], ch.hello["size"], overwrite))
+        with _telling(ch), ch.prepared as inc:
+            size = inc.size
             with Session(instance, ns, mtu, "recv") as s:
-                s.ch = ch
-                s.mr = s.ep.reg_mr(buf)
+                s.mr = s.ep.reg_mr(inc.buffer())
                 s.make_qps(1)
-                remote = ch.expect("qps", timeout)["qps"]
                 ch.send({"type": "qps", "qps": s.attrs()})
-                s.connect(remote)
+                s.connect(ch.remote)
                 ch.barrier("go", timeout)
-                fin = ch.expect("done", 10 * 86400)
+                fin = _await(ch, "done", s, timeout, "recv")
                 st = _summ_qp_stats(s.stats())
-                digest = _sha256(buf[:size])
-                ch.send({"type": "verdict", "sha256": digest, "path": path})
-                ch.barrier("done", timeout)
-                s.ch = None
-                s.mr.dereg()
-            if size:
-                buf.flush()
-                _close_map(buf)
-        ok = digest == fin.get("sha256")
-        res = {"test": "recv", "file": path, "bytes": size, "sha256": digest,
-               "sender_sha256": fin.get("sha256"), "intact": ok, "seconds": fin.get("seconds"),
-               "qp_stats": st}
-        if not ok:
-            raise PerfError("recv: %s has sha256 %s, the sender's file %s: corrupted in transfer"
-                            % (path, digest, fin.get("sha256")))
-        return res
+            # the endpoint is closed: the engine writes no more
+            digest = inc.digest()
+            ok = digest == fin["sha256"]
+            path = inc.commit() if ok else None
+            ch.send(dict({"type": "verdict", "sha256": digest}, **({"path": path} if path else {})))
+            ch.barrier("done", timeout)
+            if not ok:
+                raise PerfError("recv: %s from %s has sha256 %s, the sender's %s: corrupted in transfer, not kept"
+                                % (inc.name, ch.peer, digest, fin["sha256"]))
+            return {"test": "recv", "file": path, "bytes": size, "sha256": digest,
+                    "sender_sha256": fin["sha256"], "intact": ok, "seconds": fin["seconds"], "qp_stats": st}
     finally:
-        ch.close()
+        os.close(dirfd)
 
 
 # ------------------------------------------------------------------ CLI
@@ -531,9 +656,12 @@ def _common(p, server_ok=True):
         p.add_argument("--bind", default="::", help="server: address to listen on (default: all)")
         p.add_argument("--accept-timeout", type=float, default=None, metavar="S",
                        help="server: give up if no client has connected within S seconds "
-                            "(default: wait, as perftest's servers do)")
+                            "(default: wait, as perftest's servers do); clients it rejects "
+                            "(a bad hello, none within %.0f s) are logged and the wait goes on"
+                            % bs.HELLO_TIMEOUT)
     p.add_argument("--mtu", type=int, default=None, help="payload bytes per packet (default: the largest mrc0 allows)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds without progress before giving up")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds without progress (data or a message from the peer) before giving up")
     p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
 
 
@@ -580,7 +708,7 @@ def cmd_send(args):
 
 def cmd_recv(args):
     res = recv_file(args.dir, args.instance, _ns_of(args), port=args.port, bind=args.bind, mtu=args.mtu,
-                    accept_timeout=args.accept_timeout, timeout=args.timeout)
+                    accept_timeout=args.accept_timeout, timeout=args.timeout, overwrite=args.overwrite)
     _emit(args, res, lambda r: "received %s: %d bytes, sha256 %s, matches the sender's" % (
         r["file"], r["bytes"], r["sha256"]))
 
@@ -647,6 +775,10 @@ def add_parsers(sub) -> None:
     p.set_defaults(fn=_guard(cmd_qps))
 
     p = sub.add_parser("recv", help="receive one file from `send` into DIR, verified by sha256")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help="where the file goes: under a temporary name (.mrc-recv.*), "
+                   "its space reserved first, renamed to the sender's name once its sha256 matches")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a file of the sender's name in DIR (a symlink itself, never its target; "
+                        "default: refuse the sender)")
     _common(p)
     p.set_defaults(fn=_guard(cmd_recv))

@@ -135,6 +135,21 @@ def default_payload(mtu: int) -> int:
     return max(PAYLOAD_ALIGN, (mtu - DATA_OVERHEAD) // PAYLOAD_ALIGN * PAYLOAD_ALIGN)
 
 
+def local_addr(instance: str) -> str:
+    """The MRC address of a loaded datapath instance (its config map), without opening
+    an endpoint: what a peer must not claim to be."""
+    try:
+        inst = maps.Instance(instance)
+    except maps.NotLoaded as e:
+        raise TransportError(str(e)) from None
+    try:
+        from .shared import ffi as sffi
+        c = sffi.cast("struct mrc_config *", sffi.from_buffer(inst.map("mrc_cfg").lookup(0)))
+        return str(ipaddress.IPv6Address(bytes(c.local_addr)))
+    finally:
+        inst.close()
+
+
 # -------------------------------------------------------------------- memory region
 
 class MR:
@@ -154,10 +169,21 @@ class MR:
         self.length = len(self._cdata)
         self.access = access
         rk = ffi.new("uint32_t *")
-        _check(lib.mrc_eng_reg_mr(ep._e, self.addr, self.length, access, rk), "reg_mr")
+        try:
+            _check(lib.mrc_eng_reg_mr(ep._e, self.addr, self.length, access, rk), "reg_mr")
+        except TransportError:
+            self._release()
+            raise
         self.rkey = int(rk[0])
         self.lkey = self.rkey
         self.registered = True
+
+    def _release(self) -> None:
+        """Let go of the buffer (once the engine cannot touch it any more): an mmap can
+        then be closed at once, not when the garbage collector gets to this MR."""
+        if self._cdata is not None:
+            _engine()[0].release(self._cdata)
+            self._cdata = self._buf = None
 
     def attrs(self) -> dict:
         """JSON-able {addr, length, rkey} for the peer."""
@@ -521,6 +547,9 @@ class Endpoint:
             mr.registered = False
         e, self._e = self._e, None
         _engine()[1].mrc_eng_close(e)
+        for mr in self._mrs:        # the progress thread is gone: nothing reads or writes them
+            mr._release()
+        self._mrs.clear()
         for qp in qps:
             qp._drop_conn()
 
