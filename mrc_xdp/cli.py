@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Load the MRC datapath: spray on the fabric side of the mrc0 veth pair, "
                         "ingress on every plane NIC, to_engine on mrc0. The config file (TOML) names the "
                         "devices, the mode and the connections; see the docstring of mrc_xdp/config.py "
-                        "or README for the format. Maps stay pinned after load exits.")
+                        "or docs/config.md for the format. Maps stay pinned after load exits.")
     sp.add_argument("--config", "-c", help="host config TOML file")
     sp.add_argument("--mode", choices=["ecmp", "srv6"], help="override the config's mode")
     sp.add_argument("--netns", help="load into this named network namespace")

@@ -1,8 +1,8 @@
 """MRC on the wire: scapy layers, EV fields, ICRC, UDP checksum, frame builders, SRv6.
 
-Layouts follow /work/shared/docs/mrc-wire.md; sizes, opcodes, enums and every field the
-document marks (?) come from bpf/mrc_shared.h through ``mrc_xdp.shared``, so a correction
-there reaches this module without an edit here.
+Layouts follow docs/protocol.md (MRC 1.0 as its public material describes it); sizes,
+opcodes, enums and every field the document marks (?) come from bpf/mrc_shared.h through
+``mrc_xdp.shared``, so a correction there reaches this module without an edit here.
 
 Dissection: ``parse(frame)`` returns ``Ether(frame)``.  UDP destination port 4791 leads to
 ``BTH``, the opcode to the extension headers (data: METH, TSETH only when the BTH TS bit is

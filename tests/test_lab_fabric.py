@@ -286,3 +286,23 @@ def test_down_after_kill_9_midway_removes_everything():
     finally:
         fabric.down(prefix)
     assert fabric.leftovers(prefix) == {"netns": [], "pins": [], "state_file": []}
+
+
+def test_cli_up_gives_the_hosts_their_control_addresses():
+    """`mrc-xdp lab up` sets up the TCP bootstrap's control path (as a VM lab's set-up
+    does) and names the addresses, so a first `write-bw PEER` needs no hidden step."""
+    from mrc_xdp import bootstrap
+    prefix = new_prefix("c")
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["lab", "up", "--prefix", prefix, "--mode", "ecmp", "--no-hosts"]) == 0
+        topo = fabric.topology_of(fabric.load_state(prefix))
+        want = bootstrap.ctl_addr(topo, 0, "h2")
+        assert "h2 %s" % want in out.getvalue(), out.getvalue()
+        addrs = netns.run_cmd(prefix + "h2", ["ip", "-6", "-br", "addr", "show", "dev", "p0"]).stdout
+        assert want in addrs, addrs
+        route = netns.run_cmd(prefix + "h0", ["ip", "-6", "route", "get", want]).stdout
+        assert "dev p0" in route, route
+    finally:
+        fabric.down(prefix)

@@ -330,7 +330,21 @@ def cmd_up(args) -> int:
         print("lab %r is already up (%s mode, %d nodes, since %s): `mrc-xdp lab status` shows it"
               % (st["prefix"], st["mode"], len(st["nodes"]), _when(st.get("started"))))
         return 0
+    _control_path(args.prefix, topo)
     return 0
+
+
+def _control_path(prefix: str, topo) -> None:
+    """Give the hosts their control addresses (the TCP bootstrap of write-bw, send, ...,
+    and of MPTCP) as a VM lab's set-up does, and say what they are: a user's first
+    `write-bw PEER` needs one."""
+    from .. import bootstrap
+    try:
+        addrs = bootstrap.lab_control_path(prefix, topo)
+    except bootstrap.BootstrapError as e:
+        raise fabric.LabError(str(e)) from None
+    print("control addresses (PEER of write-bw, write-lat, send): %s"
+          % ", ".join("%s %s" % (h, a[0]) for h, a in sorted(addrs.items())))
 
 
 def _when(ts) -> str:
