@@ -454,7 +454,12 @@ def cmd_events(args):
 # ---------------------------------------------------------------- misc
 
 def cmd_metrics(args):
-    from . import metrics, maps
+    try:
+        from . import metrics
+    except ImportError as e:
+        raise CliError("metrics needs the prometheus_client module (%s): run `make setup` "
+                       "(Debian package python3-prometheus-client)" % e) from None
+    from . import maps
     _seconds("--seconds", args.seconds, "the time to serve")
     if args.once:
         names = None if args.instance is None else [args.instance]
