@@ -211,3 +211,118 @@ def test_metrics_idle_connections_and_dropped_clients(host, server):
     time.sleep(0.5)
     assert server.p.poll() is None
     assert "Traceback" not in server.stderr() and "Error" not in server.stderr(), server.stderr()
+
+
+# ---------------------------------------------------------------- the daemon's socket
+
+@pytest.fixture(scope="module")
+def lab():
+    import health_lab as H
+    with H.lab_up("ecmp", "ho", endpoints=()) as lab:
+        yield lab
+
+
+@pytest.fixture
+def daemon(lab):
+    import health_lab as H
+    d = H.Daemon(lab, background_per_s=0).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+        for p in range(lab["topo"].planes):
+            H.link_set(lab, "h0", "p%d" % p, True)
+
+
+def _events(lab, n):
+    """n datapath events on h0: a backup EV denied and allowed again, n times in all."""
+    from mrc_xdp.maps import Instance
+    from mrc_xdp.shared import EvState
+    with Instance(lab["prefix"] + "h0") as inst:
+        r = next(r for r in inst.ev_table() if r["role"] == "backup")
+        for k in range(n):
+            inst.set_ev_state(r["ev"], EvState.DENIED if k % 2 == 0 else EvState.GOOD, conn=r["conn"])
+
+
+def _connect(d, req: bytes, rcvbuf=None):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect(d.sock)
+    s.sendall(req)
+    return s
+
+
+def _planes_down(lab):
+    from mrc_xdp.maps import Instance
+    with Instance(lab["prefix"] + "h0") as inst:
+        return inst.planes_down()
+
+
+def _reaction(lab, d, reader):
+    """Seconds from h0's p0 going down to plane 0 out of rotation in the maps, and to its
+    LINK_DOWN event at reader (a subscriber that reads); p0 is up again after."""
+    import health_lab as H
+    t0 = time.monotonic()
+    H.link_set(lab, "h0", "p0", False)
+    assert H.wait_for(lambda: _planes_down(lab)[0], 60), "plane 0 never out of rotation"
+    flag = time.monotonic() - t0
+    buf = b""
+    while b'"LINK_DOWN"' not in buf:
+        assert time.monotonic() - t0 < 60, "no LINK_DOWN event: %r" % buf[-500:]
+        buf += reader.recv(65536)
+    event = time.monotonic() - t0
+    H.link_set(lab, "h0", "p0", True)
+    assert H.wait_for(lambda: not _planes_down(lab)[0], 60), "plane 0 never back in rotation"
+    return flag, event
+
+
+def test_daemon_not_delayed_by_slow_subscribers(lab, daemon):
+    """3,000 events in the history (more than a socket buffer holds); then ten clients
+    ask for it and to follow, and never read.  The daemon's reaction to a plane NIC going
+    down (plane out of rotation, its LINK_DOWN event at a subscriber that reads) is as
+    prompt as without them: at most 3 s, or 3 times the run without them, whichever is
+    more.  The slow ones are disconnected and the daemon says so."""
+    import health_lab as H
+    seq0 = daemon.status()["events"]
+    _events(lab, 3000)
+    assert H.wait_for(lambda: daemon.status()["events"] >= seq0 + 3000, 30), daemon.status()["events"]
+    follow = json.dumps({"op": "events", "follow": True}).encode() + b"\n"
+    reader = _connect(daemon, json.dumps({"op": "events", "history": 0, "follow": True}).encode() + b"\n")
+    base = _reaction(lab, daemon, reader)
+    slow = [_connect(daemon, follow, rcvbuf=4096) for _ in range(10)]
+    try:
+        time.sleep(0.3)
+        _events(lab, 1)             # an event to publish while they hold their history unread
+        took = _reaction(lab, daemon, reader)
+        print("reaction without / with 10 slow subscribers: plane flag %.3f / %.3f s, event %.3f / %.3f s" % (
+            base[0], took[0], base[1], took[1]))
+        for b, t in zip(base, took):
+            assert t <= max(3.0, 3 * b), (base, took)
+        assert daemon.status()["pid"] == daemon.p.pid
+        gone = "event subscriber (pid %d) disconnected" % os.getpid()
+        assert H.wait_for(lambda: daemon.text().count(gone) >= 10, 30), daemon.text()
+    finally:
+        for s in slow + [reader]:
+            s.close()
+    assert "Traceback" not in daemon.text(), daemon.text()
+
+
+def test_daemon_bad_requests(daemon):
+    """Deeply nested JSON, a request line too long, one nested deeper than a request is,
+    JSON that is no object: each gets one error line, and the daemon goes on answering."""
+    bad = [b"[" * 2000 + b"]" * 2000 + b"\n",
+           b'{"op": "events", "instance": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",
+           b'{"op": "status", "x": "' + b"a" * 5000 + b'"}\n',
+           b'{"op": "status", "x": [[[[[1]]]]]}\n',
+           b"[1, 2]\n",
+           b"\xff\xfe\n"]
+    for req in bad:
+        s = _connect(daemon, req)
+        with s.makefile("rb") as f:
+            lines = f.readlines()
+        s.close()
+        assert len(lines) == 1 and "error" in json.loads(lines[0]), (req[:40], lines)
+        assert daemon.status()["pid"] == daemon.p.pid
+    assert "Traceback" not in daemon.text() and "RecursionError" not in daemon.text(), daemon.text()
