@@ -22,10 +22,11 @@ everywhere.
 The receive rows are keyed by what a sender writes in its packets, so anyone who can reach
 a plane NIC could create them by the thousand: they are bounded here.  Data of no known
 connection is one row per instance, conn="unknown", ev="other" (always there, 0 when
-none came).  A known connection has at most RX_EV_PER_CONN rows (its EVs with the most
-packets: a sender's EV set has at most MRC_EV_SLOTS) and an instance at most
-RX_EV_SERIES_MAX; the rest add up in the connection's ev="other" row.  The rows are sums
-over the datapath's LRU table (mrc_rxev): a row the table evicts leaves its sum.
+none came).  A known connection has at most RX_EV_PER_CONN per-EV rows (its EVs with the
+most packets: a sender's EV set has at most MRC_EV_SLOTS) and an instance at most
+RX_EV_SERIES_MAX; the rest add up in the connection's ev="other" row (so an instance has
+at most RX_EV_SERIES_MAX + MRC_MAX_CONNS rows).  The rows are sums over the datapath's
+LRU table (mrc_rxev): a row the table evicts leaves its sum.
 """
 from __future__ import annotations
 

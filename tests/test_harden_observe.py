@@ -175,6 +175,25 @@ def test_metrics_bounded_against_random_evs(host, server):
     assert len(mine) < 2000, len(mine)        # other instances on the host are in the scrape too
 
 
+def test_rx_rows_bounded_per_instance():
+    """The instance's bound: 64 known connections of 600 EVs each (all a sender could
+    write) come to RX_EV_SERIES_MAX per-EV rows plus one "other" row per connection, the
+    unknown connection's included, and no packet is lost from the sums."""
+    from mrc_xdp import maps, metrics
+    rows = [{"conn": c, "conn_name": "peer/%d" % c, "ev": e, "pkts": e + 1, "ce": 1}
+            for c in range(maps.MAX_CONNS) for e in range(600)]
+    rows += [{"conn": maps.MAX_CONNS, "conn_name": "unknown", "ev": e, "pkts": 1, "ce": 0} for e in range(5000)]
+    out = metrics.rx_rows(rows)
+    per_ev = [r for r in out if r[1] != "other"]
+    assert len(per_ev) <= metrics.RX_EV_SERIES_MAX
+    assert len(out) <= metrics.RX_EV_SERIES_MAX + maps.MAX_CONNS + 1
+    assert out[0] == ("unknown", "other", 5000, 0)
+    assert sum(r[2] for r in out) == sum(r["pkts"] for r in rows)
+    assert sum(r[3] for r in out) == sum(r["ce"] for r in rows)
+    first = [r for r in out if r[0] == "peer/0"]
+    assert len(first) == metrics.RX_EV_PER_CONN + 1 and min(r[2] for r in first[:-1]) == 600 - metrics.RX_EV_PER_CONN + 1
+
+
 def test_metrics_idle_connections_and_dropped_clients(host, server):
     """300 connections that send nothing (and 20 that send half a request head) hold no
     thread each and do not delay a scrape (generous bound: 5 s); a client that stops
