@@ -69,7 +69,7 @@ def _send_raw(dev, frames):
         s.bind((dev, 0))
         for i, fr in enumerate(frames):
             s.send(fr)
-            if i % 64 == 63:
+            if i % 32 == 31:
                 time.sleep(0.002)       # the veth's XDP ring is 256 frames deep
 
 
@@ -148,7 +148,7 @@ def counter(body, inst, name):
 def test_metrics_bounded_against_random_evs(host, server):
     """Every series is labelled mrc_instance, never instance (Prometheus's own label).
     4,000 data frames with random EVs from random senders add up in the one row of the
-    unknown connection; 1,500 with random EVs on the known connection leave it at most
+    unknown connection; 3,000 with random EVs on the known connection leave it at most
     RX_EV_PER_CONN per-EV rows plus its "other" row; every received packet is in some
     row (their sum is the datapath's ing_data count)."""
     from mrc_xdp import metrics
@@ -157,7 +157,7 @@ def test_metrics_bounded_against_random_evs(host, server):
     assert samples(before) and not [x for x in samples(before) if "instance" in x.labels]
     assert all(x.labels.get("mrc_instance") for x in samples(before) if x.name.startswith("mrc_"))
     send_random_evs(host, 4000, known=False, seed=1)
-    send_random_evs(host, 1500, known=True, seed=2)
+    send_random_evs(host, 3000, known=True, seed=2)
     body = server.scrape()
     assert not [x for x in samples(body) if "instance" in x.labels]
     rows = rx_series(body, ib)
@@ -167,8 +167,7 @@ def test_metrics_bounded_against_random_evs(host, server):
     n_rx = counter(body, ib, "ing_data") - counter(before, ib, "ing_data")
     old = sum(x.value for x in rx_series(before, ib))
     assert sum(x.value for x in rows) - old == n_rx
-    assert unknown[0].value >= 2000, "most of the 4,000 frames from unknown senders arrived"
-    assert sum(x.value for x in known) >= 750
+    assert unknown[0].value >= 1000 and sum(x.value for x in known) >= 1000, "the frames did not arrive"
     evs = [x.labels["ev"] for x in known]
     assert len(evs) == metrics.RX_EV_PER_CONN + 1 and evs.count("other") == 1, len(evs)
     mine = [ln for ln in body.splitlines() if 'mrc_instance="%s"' % ib in ln]
@@ -313,7 +312,7 @@ def test_daemon_not_delayed_by_slow_subscribers(lab, daemon):
     slow = [_connect(daemon, follow, rcvbuf=4096) for _ in range(10)]
     try:
         time.sleep(0.3)
-        _events(lab, 1)             # an event to publish while they hold their history unread
+        _events(lab, 2)             # events to publish while they hold their history unread
         took = _reaction(lab, daemon, reader)
         print("reaction without / with 10 slow subscribers: plane flag %.3f / %.3f s, event %.3f / %.3f s" % (
             base[0], took[0], base[1], took[1]))
