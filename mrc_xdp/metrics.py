@@ -31,9 +31,9 @@ LRU table (mrc_rxev): a row the table evicts leaves its sum.
 from __future__ import annotations
 
 import io
+import queue
 import selectors
 import socket
-import socketserver
 import sys
 import threading
 import time
@@ -89,12 +89,26 @@ def rx_rows(rows: list[dict]) -> list[tuple[str, str, int, int]]:
 
 class PinsCollector:
     """Every family, read from the pinned maps of the instances (all loaded ones when
-    None) at each scrape.  An instance unloaded during the scrape is left out of it."""
+    None) at each scrape.  An instance unloaded during the scrape is left out of it.
+    Scrapes at the same time share a reading: one that finds another reading the maps
+    waits for it, then takes the next one's if that began after it asked (the time in
+    self.asked.at, set by the server when the request came in; else now)."""
 
     def __init__(self, instances: list[str] | None = None):
         self.instances = instances
+        self.lock = threading.Lock()
+        self.last, self.last_began = None, 0.0
+        self.asked = threading.local()
 
     def collect(self):
+        asked = getattr(self.asked, "at", None) or time.monotonic()
+        with self.lock:
+            if self.last is None or self.last_began < asked:
+                self.last_began = time.monotonic()
+                self.last = self._read()
+            return self.last
+
+    def _read(self) -> list:
         names = self.instances if self.instances is not None else maps.instances()
         ctr = CounterMetricFamily("mrc_counter", "MRC datapath counters (enum mrc_ctr), summed over CPUs.",
                                   labels=["mrc_instance", "counter"])
@@ -151,25 +165,25 @@ def _qp_families(instances) -> list:
     return out
 
 
-def registry(instances: list[str] | None = None) -> CollectorRegistry:
+def registry(collector: PinsCollector) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(PinsCollector(instances))
+    reg.register(collector)
     return reg
 
 
 def render(instances: list[str] | None = None) -> str:
     """One scrape in the Prometheus text format."""
-    return generate_latest(registry(instances)).decode()
+    return generate_latest(registry(PinsCollector(instances))).decode()
 
 
 # ---------------------------------------------------------------- the HTTP server
 
 HEAD_S = 5.0            # a request head must arrive whole within this
 HEAD_MAX = 8192         # ... and be at most this long
-WRITE_S = 5.0           # a worker's writes to one client time out after this
+WRITE_S = 10.0          # an answer must be taken whole within this
 MAX_PENDING = 512       # connections waiting for their request head (the oldest goes)
-WORKERS = 4             # scrapes answered at once
-QUEUE_MAX = 32          # requests answered or waiting for a worker; more get a 503
+WORKERS = 4             # scrapes rendered at once
+QUEUE_MAX = 32          # requests in hand (rendering, waiting to, or being written); more get a 503
 
 
 class _Quiet(ServerHandler):
@@ -179,16 +193,15 @@ class _Quiet(ServerHandler):
 
 
 class _Request(WSGIRequestHandler):
-    """wsgiref's handler, over a request head the server has already read."""
+    """wsgiref's handler over a request head the server has already read, writing its
+    whole answer into memory (self.wfile) for the server's thread to send."""
 
-    def __init__(self, conn, addr, server, head: bytes):
+    def __init__(self, addr, server, head: bytes):
         self.head = head
-        super().__init__(conn, addr, server)
+        super().__init__(None, addr, server)
 
     def setup(self):
-        self.connection = self.request
-        self.rfile = io.BytesIO(self.head)
-        self.wfile = socketserver._SocketWriter(self.connection)
+        self.rfile, self.wfile = io.BytesIO(self.head), io.BytesIO()
 
     def handle(self):
         self.raw_requestline = self.rfile.readline(HEAD_MAX + 1)
@@ -198,26 +211,31 @@ class _Request(WSGIRequestHandler):
         h.request_handler = self
         h.run(self.server.app)
 
+    def finish(self):
+        pass                        # the answer stays in self.wfile
+
     def log_message(self, fmt, *args):
         pass
 
 
 class Server:
-    """GET /metrics over HTTP, answered by prometheus_client's WSGI app in a small thread
-    pool; no client can stall it.  One thread accepts and reads request heads without
-    blocking: an idle connection holds no thread, only a socket, and is closed when its
-    head has not arrived whole within HEAD_S (or grows over HEAD_MAX); at most MAX_PENDING
-    connections wait so (a new one closes the oldest).  A complete request goes to one of
-    WORKERS threads, which writes with a WRITE_S timeout; beyond QUEUE_MAX requests in
-    hand the answer is 503.  A client gone mid-answer is closed without a word."""
+    """GET /metrics over HTTP, answered by prometheus_client's WSGI app; no client can
+    stall it.  One thread does all the sockets' I/O, never blocking: an idle connection
+    holds no thread, only a socket, and is closed when its request head has not arrived
+    whole within HEAD_S (or grows over HEAD_MAX); at most MAX_PENDING connections wait so
+    (a new one closes the oldest).  A complete request is rendered by one of WORKERS
+    threads into memory, and the answer is sent by the I/O thread as the client takes
+    it: a client that has not taken it all within WRITE_S is closed.  Beyond QUEUE_MAX
+    requests in hand the answer is 503.  A client gone mid-answer is closed without a
+    word."""
 
     def __init__(self, host: str, port: int, instances: list[str] | None = None):
         fam = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self.sock = socket.create_server((host, port), family=fam, backlog=128)
         self.sock.setblocking(False)
-        self.server_address = self.sock.getsockname()[:2]
-        self.server_port = self.server_address[1]
-        app = make_wsgi_app(registry(instances))
+        self.server_port = self.sock.getsockname()[1]
+        self.collector = PinsCollector(instances)
+        app = make_wsgi_app(registry(self.collector))
 
         def only_metrics(environ, start_response):
             if environ.get("PATH_INFO") != "/metrics":
@@ -228,44 +246,44 @@ class Server:
         self.base_environ = {"SERVER_NAME": host, "GATEWAY_INTERFACE": "CGI/1.1", "SERVER_PORT": str(self.server_port),
                              "REMOTE_HOST": "", "CONTENT_LENGTH": "", "SCRIPT_NAME": ""}
         self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mrc-metrics")
-        self.in_hand = 0
-        self.lock = threading.Lock()
+        self.in_hand = 0            # the I/O thread's alone
+        self.done = queue.SimpleQueue()     # (conn, answer) from the workers
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.stop = threading.Event()
 
-    def _answer(self, conn, addr, head: bytes) -> None:
+    def _render(self, conn, addr, head: bytes, asked: float) -> None:
+        self.collector.asked.at = asked
         try:
-            conn.setblocking(True)
-            conn.settimeout(WRITE_S)
-            _Request(conn, addr, self, head)
-        except OSError:
-            pass                    # the client went away, or stopped reading
-        finally:
-            with self.lock:
-                self.in_hand -= 1
-            _close(conn)
-
-    def _ready(self, conn, addr, head: bytes) -> None:
-        with self.lock:
-            busy = self.in_hand >= QUEUE_MAX
-            if not busy:
-                self.in_hand += 1
-        if busy:
-            try:
-                conn.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
-            except OSError:
-                pass
-            _close(conn)
-            return
-        self.pool.submit(self._answer, conn, addr, head)
+            r = _Request(addr, self, head)
+            answer = r.wfile.getvalue()
+        except Exception as e:      # noqa: BLE001 - one scrape, not the server
+            print("mrc-xdp metrics: scrape failed: %s: %s" % (type(e).__name__, e), file=sys.stderr, flush=True)
+            answer = b"HTTP/1.0 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+        self.done.put((conn, answer))
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:             # full: the I/O thread is awake already
+            pass
 
     def serve_forever(self) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(self.sock, selectors.EVENT_READ)
+        sel.register(self.sock, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         pending: dict = {}          # conn -> [addr, head so far, deadline]; oldest first
+        writing: dict = {}          # conn -> [answer left (memoryview), deadline]; oldest first
+
+        def drop(conn, table):
+            sel.unregister(conn)
+            del table[conn]
+            _close(conn)
+            if table is writing:
+                self.in_hand -= 1
         try:
             while not self.stop.is_set():
                 for key, _ in sel.select(0.2):
-                    if key.fileobj is self.sock:
+                    if key.data == "accept":
                         try:
                             conn, addr = self.sock.accept()
                         except BlockingIOError:
@@ -275,44 +293,77 @@ class Server:
                             continue
                         conn.setblocking(False)
                         if len(pending) >= MAX_PENDING:
-                            old = next(iter(pending))
-                            sel.unregister(old)
-                            _close(old)
-                            del pending[old]
+                            drop(next(iter(pending)), pending)
                         pending[conn] = [addr, b"", time.monotonic() + HEAD_S]
-                        sel.register(conn, selectors.EVENT_READ)
-                        continue
-                    conn = key.fileobj
-                    st = pending[conn]
-                    try:
-                        data = conn.recv(4096)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    st[1] += data
-                    whole = b"\r\n\r\n" in st[1] or b"\n\n" in st[1]
-                    if whole or not data or len(st[1]) > HEAD_MAX:
+                        sel.register(conn, selectors.EVENT_READ, "read")
+                    elif key.data == "wake":
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                    elif key.data == "read":
+                        conn = key.fileobj
+                        st = pending[conn]
+                        try:
+                            data = conn.recv(4096)
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            data = b""
+                        st[1] += data
+                        if not data or len(st[1]) > HEAD_MAX:  # gone, or not a scraper
+                            drop(conn, pending)
+                            continue
+                        if b"\r\n\r\n" not in st[1] and b"\n\n" not in st[1]:
+                            continue
                         sel.unregister(conn)
                         del pending[conn]
-                        if whole and len(st[1]) <= HEAD_MAX:
-                            self._ready(conn, st[0], st[1])
-                        else:
-                            _close(conn)
-                now = time.monotonic()
-                while pending:
-                    conn, st = next(iter(pending.items()))
-                    if st[2] > now:
+                        if self.in_hand >= QUEUE_MAX:
+                            self._send_now(conn, b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+                            continue
+                        self.in_hand += 1
+                        self.pool.submit(self._render, conn, st[0], st[1], time.monotonic())
+                    else:                           # "write"
+                        conn = key.fileobj
+                        st = writing[conn]
+                        try:
+                            n = conn.send(st[0])
+                        except BlockingIOError:
+                            continue
+                        except OSError:             # the client went away
+                            n = len(st[0])
+                        st[0] = st[0][n:]
+                        if not st[0]:
+                            drop(conn, writing)
+                while True:
+                    try:
+                        conn, answer = self.done.get_nowait()
+                    except queue.Empty:
                         break
-                    sel.unregister(conn)
-                    _close(conn)
-                    del pending[conn]
+                    writing[conn] = [memoryview(answer), time.monotonic() + WRITE_S]
+                    sel.register(conn, selectors.EVENT_WRITE, "write")
+                now = time.monotonic()
+                for table in (pending, writing):
+                    while table:
+                        conn, st = next(iter(table.items()))
+                        if st[-1] > now:
+                            break
+                        drop(conn, table)
         finally:
-            for conn in pending:
+            for conn in list(pending) + list(writing):
                 _close(conn)
             sel.close()
             self.sock.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _send_now(conn, data: bytes) -> None:
+        try:
+            conn.send(data)
+        except OSError:
+            pass
+        _close(conn)
 
     def shutdown(self) -> None:
         self.stop.set()
