@@ -160,6 +160,8 @@ def _name(enum, v) -> str:
 
 def format_event(d: dict) -> str:
     """One line, as `mrc-xdp events` prints a ring event."""
+    if "error" in d:                # the daemon refused the request (EventHub)
+        return "daemon: %s" % d["error"]
     if d.get("kind") == "link":
         return "%.6f %s plane %d (%s) link %s: %s, %d EV(s) %s [daemon]" % (
             d["ts_ns"] / 1e9, d["instance"], d["plane"], d["dev"], "up" if d["up"] else "down",
@@ -207,7 +209,7 @@ class _Client:
     """One connection to the daemon's socket: its request as it arrives, then its answer
     (history first, taken from a snapshot as the socket drains), then live events."""
     __slots__ = ("sock", "pid", "inbuf", "deadline", "hist", "hist_at", "live", "buf", "follow", "inst",
-                 "done", "slow", "progress")
+                 "done", "slow", "progress", "full")
 
     def __init__(self, sock):
         self.sock, self.inbuf, self.deadline = sock, b"", time.monotonic() + REQ_S
@@ -220,6 +222,7 @@ class _Client:
         self.done = False           # request answered: a follower stays, the others go once it is sent
         self.slow = ""              # why the hub disconnects it
         self.progress = time.monotonic()    # output last sent, or last found nothing to send
+        self.full = False           # came when the hub was full: its request is refused
 
     def pending(self) -> bool:
         return bool(self.buf or self.hist_at < len(self.hist) or self.live)
@@ -237,7 +240,8 @@ class EventHub:
     STALL_S while output waits.  A request is one JSON object on one line of at most
     REQ_MAX bytes, nested at most REQ_DEPTH deep, arriving within REQ_S; anything else
     gets one error line (``{"error": ...}``) and the connection is closed.  At most
-    MAX_CLIENTS connections are served at once."""
+    MAX_CLIENTS connections are served at once: the request of one more is answered with
+    an error line."""
 
     def __init__(self, history: int):
         self.history: collections.deque = collections.deque(maxlen=history)    # (instance, JSON line)
@@ -297,7 +301,9 @@ class EventHub:
                         sel.register(c.sock, want or selectors.EVENT_READ, c)
                 for key, mask in sel.select(0.25):
                     if key.data == "accept":
-                        self._accept(srv, sel)
+                        for _ in range(64):     # the backlog's worth, then the others' turn
+                            if not self._accept(srv, sel):
+                                break
                     elif key.data == "wake":
                         try:
                             while self._wake_r.recv(4096):
@@ -326,28 +332,27 @@ class EventHub:
         finally:
             sel.close()
 
-    def _accept(self, srv, sel) -> None:
+    def _accept(self, srv, sel) -> bool:
+        """One connection accepted (or refused, the hub being full); False: none waits."""
         try:
             s, _ = srv.accept()
         except BlockingIOError:
-            return
+            return False
         except OSError:             # out of file descriptors: give the clients time to go
             time.sleep(0.05)
-            return
+            return False
         s.setblocking(False)
         c = _Client(s)
         with self.lock:
-            full = len(self.clients) >= MAX_CLIENTS
-            if not full:
+            n = len(self.clients)
+            if n < MAX_CLIENTS + 64:    # the refused ones too, while they wait for their answer
                 self.clients.append(c)
-        if full:
-            try:
-                s.send((json.dumps({"error": "the daemon serves %d clients already" % MAX_CLIENTS}) + "\n").encode())
-            except OSError:
-                pass
+        if n >= MAX_CLIENTS + 64:
             s.close()
-            return
+            return True
+        c.full = n >= MAX_CLIENTS
         sel.register(s, selectors.EVENT_READ, c)
+        return True
 
     def _read(self, c: _Client, status_fn) -> None:
         try:
@@ -366,6 +371,8 @@ class EventHub:
         if b"\n" not in c.inbuf and chunk and len(c.inbuf) <= REQ_MAX:
             return
         line = c.inbuf.split(b"\n")[0]
+        if c.full:
+            return self._error(c, "the daemon serves %d clients already" % MAX_CLIENTS)
         if len(line) > REQ_MAX:
             return self._error(c, "request longer than %d bytes" % REQ_MAX)
         if json_depth(line) > REQ_DEPTH:
@@ -388,7 +395,7 @@ class EventHub:
             return self._error(c, "unknown op %r" % op)
         inst, n = req.get("instance"), req.get("history")
         with self.lock:
-            hist = [line for i, line in self.history if inst is None or i == inst]
+            hist = [ln for i, ln in self.history if inst is None or i == inst]
             if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                 hist = hist[len(hist) - n:] if n else []
             c.hist, c.inst, c.follow, c.done = hist, inst, bool(req.get("follow")), True

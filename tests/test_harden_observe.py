@@ -274,8 +274,8 @@ def _connect(d, req: bytes, rcvbuf=None):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if rcvbuf:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(d.sock)               # blocking: waits while the listen backlog is full
     s.settimeout(10)
-    s.connect(d.sock)
     s.sendall(req)
     return s
 
@@ -352,3 +352,28 @@ def test_daemon_bad_requests(daemon):
         assert len(lines) == 1 and "error" in json.loads(lines[0]), (req[:40], lines)
         assert daemon.status()["pid"] == daemon.p.pid
     assert "Traceback" not in daemon.text() and "RecursionError" not in daemon.text(), daemon.text()
+
+
+def test_daemon_full(lab, daemon):
+    """MAX_CLIENTS followers: one more client gets one error line (and `mrc-xdp events`
+    prints it as one line, no traceback); once they go, the daemon answers again."""
+    import health_lab as H
+    from mrc_xdp import health
+    follow = json.dumps({"op": "events", "history": 0, "follow": True}).encode() + b"\n"
+    held = []
+    try:
+        for _ in range(health.MAX_CLIENTS):
+            held.append(_connect(daemon, follow))
+        time.sleep(0.5)
+        s = _connect(daemon, follow)
+        with s.makefile("rb") as f:
+            lines = f.readlines()
+        s.close()
+        assert len(lines) == 1 and "serves %d clients" % health.MAX_CLIENTS in json.loads(lines[0])["error"], lines
+        p = H.cli("events", "-i", lab["prefix"] + "h0", env=daemon.env, check=False)
+        assert "Traceback" not in p.stderr, p.stderr
+    finally:
+        for s in held:
+            s.close()
+    assert H.wait_for(lambda: daemon.status() is not None, 5)
+    assert "Traceback" not in daemon.text(), daemon.text()
