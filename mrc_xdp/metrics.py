@@ -376,8 +376,8 @@ def _close(conn) -> None:
         pass
 
 
-def serve(host: str, port: int, max_seconds: float | None = None) -> None:
-    srv = Server(host, port)
+def serve(host: str, port: int, max_seconds: float | None = None, instances: list[str] | None = None) -> None:
+    srv = Server(host, port, instances)
     if max_seconds:
         t = threading.Timer(max_seconds, srv.shutdown)
         t.daemon = True
