@@ -454,10 +454,17 @@ def cmd_events(args):
 # ---------------------------------------------------------------- misc
 
 def cmd_metrics(args):
-    from . import metrics, maps
+    try:
+        from . import metrics
+    except ImportError as e:
+        raise CliError("metrics needs the prometheus_client module (%s): run `make setup` "
+                       "(Debian package python3-prometheus-client)" % e) from None
+    from . import maps
     _seconds("--seconds", args.seconds, "the time to serve")
+    names = None if args.instance is None else [args.instance]
+    if names is not None:
+        maps.Instance(args.instance).close()        # NotLoaded: one line
     if args.once:
-        names = None if args.instance is None else [args.instance]
         if names is None and not maps.instances():
             raise CliError("nothing loaded (run `mrc-xdp load --config FILE`)")
         sys.stdout.write(metrics.render(names))
@@ -473,7 +480,7 @@ def cmd_metrics(args):
     print("serving Prometheus metrics on http://%s:%d/metrics (Ctrl-C to stop)" % (host, port_n),
           file=sys.stderr, flush=True)
     try:
-        metrics.serve(host, port_n, args.seconds)
+        metrics.serve(host, port_n, args.seconds, names)
     except OSError as e:
         raise CliError("--listen %s: %s" % (args.listen, e.strerror or e)) from None
 
@@ -591,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "maps of every loaded instance: counters by name, per-EV packets, feedback and state.")
     sp.add_argument("--listen", default="127.0.0.1:9417", help="HOST:PORT to serve on (default 127.0.0.1:9417)")
     sp.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
-    sp.add_argument("--instance", "-i", help="with --once: only this instance")
+    sp.add_argument("--instance", "-i", help="only this instance (default every loaded one)")
     sp.add_argument("--seconds", type=float, help="stop serving after this long")
     sp.set_defaults(fn=cmd_metrics)
 

@@ -25,6 +25,8 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   ring; events (and the daemon's own changes, ``"source": "daemon"``) go to a bounded
   history and to any number of subscribers on a unix socket (default
   /run/mrc-xdp/events.sock, or $MRC_XDP_DAEMON_SOCKET), one JSON object per line.
+  Clients are served by a thread of their own that never blocks: a subscriber that
+  falls behind is disconnected, never waited for (``EventHub``).
 
 Probes go through a *prober*: any object with ``probe(instance, conn, ev, count,
 timeout) -> list[rtt_seconds | None]`` (``load_prober`` finds the datapath's in
@@ -35,6 +37,8 @@ Socket protocol: the client sends one JSON line, the daemon answers in JSON line
 ``{"op": "events", "instance": NAME|null, "history": N|null, "follow": bool}``: the last N
 (all) stored events of NAME (every instance), then, with follow, every new one.
 ``{"op": "status"}``: one object: instances, plane links, per-EV probe results.
+A request that is not one such line (too long, nested, not JSON) is answered with one
+line ``{"error": ...}``.
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ import json
 import os
 import random
 import select
+import selectors
 import socket
+import struct
 import sys
 import threading
 import time
@@ -154,6 +160,8 @@ def _name(enum, v) -> str:
 
 def format_event(d: dict) -> str:
     """One line, as `mrc-xdp events` prints a ring event."""
+    if "error" in d:                # the daemon refused the request (EventHub)
+        return "daemon: %s" % d["error"]
     if d.get("kind") == "link":
         return "%.6f %s plane %d (%s) link %s: %s, %d EV(s) %s [daemon]" % (
             d["ts_ns"] / 1e9, d["instance"], d["plane"], d["dev"], "up" if d["up"] else "down",
@@ -165,87 +173,300 @@ def format_event(d: dict) -> str:
         d["ts_ns"] / 1e9, d["conn"], d["plane"], d["ev"], d["old"], d["new"], d["reason"], extra, src)
 
 
+REQ_MAX = 4096          # a request: one JSON line of at most this many bytes,
+REQ_DEPTH = 4           # ... nested at most this deep (a request is one flat object),
+REQ_S = 2.0             # ... arriving whole within this
+CLIENT_QUEUE = 4096     # live events waiting for one subscriber; one more disconnects it
+STALL_S = 10.0          # a client that takes no byte for this long while output waits: disconnected
+MAX_CLIENTS = 256       # connections at once; one more gets an error line
+SEND_CHUNK = 65536
+
+
+def json_depth(b: bytes) -> int:
+    """How deep arrays and objects nest in JSON text b (strings skipped), without parsing:
+    json.loads recurses once per level."""
+    depth = top = 0
+    in_str = esc = False
+    for c in b:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == 0x5C:         # backslash
+                esc = True
+            elif c == 0x22:         # quote
+                in_str = False
+        elif c == 0x22:
+            in_str = True
+        elif c in (0x5B, 0x7B):     # [ {
+            depth += 1
+            top = max(top, depth)
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return top
+
+
+class _Client:
+    """One connection to the daemon's socket: its request as it arrives, then its answer
+    (history first, taken from a snapshot as the socket drains), then live events."""
+    __slots__ = ("sock", "pid", "inbuf", "deadline", "hist", "hist_at", "live", "buf", "follow", "inst",
+                 "done", "slow", "progress", "full")
+
+    def __init__(self, sock):
+        self.sock, self.inbuf, self.deadline = sock, b"", time.monotonic() + REQ_S
+        try:                        # the client's process, for the log
+            self.pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except OSError:
+            self.pid = 0
+        self.hist, self.hist_at, self.live, self.buf = [], 0, collections.deque(), b""
+        self.follow, self.inst = False, None
+        self.done = False           # request answered: a follower stays, the others go once it is sent
+        self.slow = ""              # why the hub disconnects it
+        self.progress = time.monotonic()    # output last sent, or last found nothing to send
+        self.full = False           # came when the hub was full: its request is refused
+
+    def pending(self) -> bool:
+        return bool(self.buf or self.hist_at < len(self.hist) or self.live)
+
+
 class EventHub:
-    """Bounded history plus live subscribers (sockets).  A subscriber that cannot keep up
-    (its socket buffer stays full for a second) is dropped."""
+    """Bounded history plus the clients of the daemon's socket.  The clients are served by
+    the hub's own thread (serve()), never by the health loop: publish() only appends an
+    event to the history and to each subscriber's queue, in memory, and never waits on a
+    socket.  The hub's thread reads requests and writes answers with non-blocking calls.
+
+    A slow subscriber is disconnected (not fed a stream with gaps: it can reconnect and
+    ask for the history, whose seq numbers say what it missed), and the daemon logs it:
+    when more than CLIENT_QUEUE live events wait for it, or when it has taken no byte for
+    STALL_S while output waits.  A request is one JSON object on one line of at most
+    REQ_MAX bytes, nested at most REQ_DEPTH deep, arriving within REQ_S; anything else
+    gets one error line (``{"error": ...}``) and the connection is closed.  At most
+    MAX_CLIENTS connections are served at once: the request of one more is answered with
+    an error line."""
 
     def __init__(self, history: int):
-        self.history: collections.deque = collections.deque(maxlen=history)
-        self.subs: list[tuple[socket.socket, str | None]] = []
+        self.history: collections.deque = collections.deque(maxlen=history)    # (instance, JSON line)
+        self.clients: list[_Client] = []
         self.lock = threading.Lock()
         self.seq = 0
+        self.stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.thread = None
 
     def publish(self, ev: dict) -> None:
         with self.lock:
             self.seq += 1
             ev["seq"] = self.seq
-            self.history.append(ev)
             line = (json.dumps(ev) + "\n").encode()
-            dead = []
-            for s, inst in self.subs:
-                if inst is not None and ev.get("instance") != inst:
+            self.history.append((ev.get("instance"), line))
+            for c in self.clients:
+                if not c.follow or c.slow or (c.inst is not None and ev.get("instance") != c.inst):
                     continue
-                try:
-                    s.sendall(line)
-                except OSError:
-                    dead.append(s)
-            for s in dead:
-                self._drop(s)
+                if len(c.live) >= CLIENT_QUEUE:
+                    c.slow = "more than %d events waiting for it" % CLIENT_QUEUE
+                else:
+                    c.live.append(line)
+        self._wake()
 
-    def _drop(self, s) -> None:
-        self.subs = [x for x in self.subs if x[0] is not s]
+    def _wake(self) -> None:
         try:
+            self._wake_w.send(b"\0")
+        except OSError:             # full: the hub's thread is awake already
+            pass
+
+    # -- the hub's thread
+    def start(self, srv: socket.socket, status_fn, log) -> None:
+        """Serve srv (a listening socket) from a thread of the hub's own."""
+        srv.setblocking(False)
+        self.thread = threading.Thread(target=self.serve, args=(srv, status_fn, log), name="mrc-daemon-hub",
+                                       daemon=True)
+        self.thread.start()
+
+    def serve(self, srv: socket.socket, status_fn, log) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(srv, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not self.stop.is_set():
+                with self.lock:
+                    clients = list(self.clients)
+                for c in clients:
+                    want = selectors.EVENT_READ if not c.done else 0
+                    if c.pending():
+                        want |= selectors.EVENT_WRITE
+                    try:
+                        sel.modify(c.sock, want or selectors.EVENT_READ, c)
+                    except KeyError:
+                        sel.register(c.sock, want or selectors.EVENT_READ, c)
+                for key, mask in sel.select(0.25):
+                    if key.data == "accept":
+                        for _ in range(64):     # the backlog's worth, then the others' turn
+                            if not self._accept(srv, sel):
+                                break
+                    elif key.data == "wake":
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                    else:
+                        c = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(c, status_fn)
+                        if mask & selectors.EVENT_WRITE and not c.slow:
+                            self._write(c)
+                now = time.monotonic()
+                for c in clients:
+                    if not c.done and now > c.deadline:
+                        self._error(c, "no whole request line within %.0f s" % REQ_S)
+                    elif not c.pending():
+                        c.progress = now
+                    elif now - c.progress > STALL_S:
+                        c.slow = c.slow or "took nothing for %.0f s" % STALL_S
+                    if c.slow:
+                        log("event subscriber (pid %d) disconnected: %s" % (c.pid, c.slow))
+                        self._close(c, sel)
+                    elif c.done and not c.follow and not c.pending():
+                        self._close(c, sel)
+        finally:
+            sel.close()
+
+    def _accept(self, srv, sel) -> bool:
+        """One connection accepted (or refused, the hub being full); False: none waits."""
+        try:
+            s, _ = srv.accept()
+        except BlockingIOError:
+            return False
+        except OSError:             # out of file descriptors: give the clients time to go
+            time.sleep(0.05)
+            return False
+        s.setblocking(False)
+        c = _Client(s)
+        with self.lock:
+            n = len(self.clients)
+            if n < MAX_CLIENTS + 64:    # the refused ones too, while they wait for their answer
+                self.clients.append(c)
+        if n >= MAX_CLIENTS + 64:
             s.close()
+            return True
+        c.full = n >= MAX_CLIENTS
+        sel.register(s, selectors.EVENT_READ, c)
+        return True
+
+    def _read(self, c: _Client, status_fn) -> None:
+        try:
+            chunk = c.sock.recv(REQ_MAX + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if c.done:                  # bytes after the request are ignored; EOF ends a follower
+            if not chunk and c.follow:
+                with self.lock:
+                    c.hist, c.live, c.follow = [], collections.deque(), False
+                c.buf = b""
+            return
+        c.inbuf += chunk
+        if b"\n" not in c.inbuf and chunk and len(c.inbuf) <= REQ_MAX:
+            return
+        line = c.inbuf.split(b"\n")[0]
+        if c.full:
+            return self._error(c, "the daemon serves %d clients already" % MAX_CLIENTS)
+        if len(line) > REQ_MAX:
+            return self._error(c, "request longer than %d bytes" % REQ_MAX)
+        if json_depth(line) > REQ_DEPTH:
+            return self._error(c, "request nested deeper than %d" % REQ_DEPTH)
+        try:
+            req = json.loads(line or b"{}")
+        except (ValueError, RecursionError) as e:
+            return self._error(c, "request is not JSON: %s" % e)
+        if not isinstance(req, dict):
+            return self._error(c, "request is not a JSON object")
+        op = req.get("op")
+        if op == "status":
+            try:
+                st = json.dumps(status_fn()) + "\n"
+            except Exception as e:      # noqa: BLE001 - one client's answer, not the daemon
+                return self._error(c, "status failed: %s" % e)
+            c.buf, c.done = st.encode(), True
+            return
+        if op != "events":
+            return self._error(c, "unknown op %r" % op)
+        inst, n = req.get("instance"), req.get("history")
+        with self.lock:
+            hist = [ln for i, ln in self.history if inst is None or i == inst]
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                hist = hist[len(hist) - n:] if n else []
+            c.hist, c.inst, c.follow, c.done = hist, inst, bool(req.get("follow")), True
+
+    def _error(self, c: _Client, msg: str) -> None:
+        with self.lock:
+            c.hist, c.live, c.follow, c.done = [], collections.deque(), False, True
+        c.buf = (json.dumps({"error": msg}) + "\n").encode()
+
+    def _write(self, c: _Client) -> None:
+        if not c.buf:
+            with self.lock:
+                if c.hist_at < len(c.hist):
+                    part = c.hist[c.hist_at:c.hist_at + 256]
+                    c.hist_at += len(part)
+                else:
+                    part = [c.live.popleft() for _ in range(min(len(c.live), 256))]
+            c.buf = b"".join(part)
+        try:
+            n = c.sock.send(c.buf[:SEND_CHUNK])
+        except BlockingIOError:
+            return
+        except OSError:             # gone
+            with self.lock:
+                c.hist, c.live, c.follow, c.done = [], collections.deque(), False, True
+            c.buf = b""
+            return
+        c.buf = c.buf[n:]
+        c.progress = time.monotonic()
+
+    def _close(self, c: _Client, sel) -> None:
+        with self.lock:
+            if c in self.clients:
+                self.clients.remove(c)
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        try:                        # unread bytes would reset the connection, error line and all
+            for _ in range(16):
+                if not c.sock.recv(REQ_MAX):
+                    break
+        except OSError:
+            pass
+        try:
+            c.sock.close()
         except OSError:
             pass
 
-    def serve_client(self, s: socket.socket, status_fn) -> None:
-        s.settimeout(2.0)
-        try:
-            buf = b""
-            while b"\n" not in buf and len(buf) < 4096:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                buf += chunk
-            req = json.loads(buf.split(b"\n")[0] or b"{}")
-            if not isinstance(req, dict):
-                raise ValueError("not an object")
-        except (OSError, ValueError):
-            s.close()
-            return
-        try:
-            op = req.get("op")
-            if op == "status":
-                s.sendall((json.dumps(status_fn()) + "\n").encode())
-                s.close()
-                return
-            if op != "events":
-                s.sendall((json.dumps({"error": "unknown op %r" % op}) + "\n").encode())
-                s.close()
-                return
-            inst, n = req.get("instance"), req.get("history")
+    def close(self, flush_s: float = 1.0) -> None:
+        """Stop serving, after at most flush_s for what is queued to reach the clients."""
+        end = time.monotonic() + flush_s
+        while self.thread is not None and self.thread.is_alive() and time.monotonic() < end:
             with self.lock:
-                hist = [e for e in self.history if inst is None or e.get("instance") == inst]
-                if isinstance(n, int) and n >= 0:
-                    hist = hist[len(hist) - n:] if n else []
-                s.sendall("".join(json.dumps(e) + "\n" for e in hist).encode())
-                if req.get("follow"):
-                    s.settimeout(1.0)
-                    self.subs.append((s, inst))
-                    return
-            s.close()
-        except OSError:
-            s.close()
-
-    def close(self) -> None:
+                if not any(c.pending() and not c.slow for c in self.clients):
+                    break
+            self._wake()
+            time.sleep(0.01)
+        self.stop.set()
+        self._wake()
+        if self.thread is not None:
+            self.thread.join(5)
         with self.lock:
-            for s, _ in self.subs:
+            for c in self.clients:
                 try:
-                    s.close()
+                    c.sock.close()
                 except OSError:
                     pass
-            self.subs = []
+            self.clients = []
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 # ---------------------------------------------------------------- client side
@@ -626,18 +847,7 @@ class Daemon:
         self.srv.bind(self.sock_path)
         os.chmod(self.sock_path, 0o660)
         self.srv.listen(64)
-        self.srv.settimeout(0.5)
-        threading.Thread(target=self._accept, name="mrc-daemon-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                c, _ = self.srv.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self.hub.serve_client, args=(c, self.status), daemon=True).start()
+        self.hub.start(self.srv, self.status, self.log)
 
     def status(self) -> dict:
         return {"pid": os.getpid(), "started": self.started, "socket": self.sock_path,

@@ -31,6 +31,7 @@ APT_PKGS=(
     python3-scapy python3-pyroute2 python3-pytest    # packets, netlink, tests
     iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
     python3-rich python3-matplotlib tmux             # mrc-xdp top, bench_failover plot, top test
+    python3-prometheus-client                        # mrc-xdp metrics
 )
 # MRC_SETUP_EXTRAS=0 leaves out what only the evaluation's plots, the benchmarks and the
 # `mrc-xdp top` test use (the VM lab's guest image sets it: matplotlib is most of a cold
@@ -113,10 +114,10 @@ fi
 "$VENV/bin/python" -I - <<'EOF' || exit 1
 import sys
 try:
-    import bcc, cffi, pyroute2, scapy  # noqa: F401
+    import bcc, cffi, prometheus_client, pyroute2, scapy  # noqa: F401
 except ImportError as e:
     sys.exit("setup: error: %s: install the Debian package (python3-bpfcc, python3-cffi, "
-             "python3-pyroute2, python3-scapy)" % e)
+             "python3-prometheus-client, python3-pyroute2, python3-scapy)" % e)
 if not bcc.__file__.startswith("/usr/lib/python3/dist-packages/"):
     sys.exit("setup: error: bcc is imported from %s, which is not Debian's python3-bpfcc: "
              "run .venv/bin/pip uninstall -y bcc (PyPI's 'bcc' is an unrelated package)"
@@ -128,7 +129,7 @@ except Exception as e:
     sys.exit("setup: error: .venv cannot import mrc_xdp or its transport engine (%s: %s): "
              "run make clean && make setup" % (type(e).__name__, e))
 EOF
-say "imports: bcc, scapy, pyroute2, cffi, mrc_xdp (with its engine) ok"
+say "imports: bcc, scapy, pyroute2, cffi, prometheus_client, mrc_xdp (with its engine) ok"
 
 # bcc compiles and loads a trivial XDP program (a fraction of a second).
 bcc_log=$LOG_DIR/bcc-check.log

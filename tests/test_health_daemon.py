@@ -271,8 +271,12 @@ def test_restart_resumes(lab, daemon):
     daemon.start()
     assert H.wait_for(lambda: _planes_down(lab, "h2") == [False, False], 5)
     assert retired
-    hist = H.wait_for(lambda: [e for e in daemon.events(lab["prefix"] + "h0")
-                               if e.get("new") == "ASSUMED_BAD" and e["source"] == "datapath"], 3)
+    def bad_events():
+        return [e for e in daemon.events(lab["prefix"] + "h0")
+                if e.get("new") == "ASSUMED_BAD" and e["source"] == "datapath"]
+    # all of them (the daemon may be publishing the ring's events while the history is read)
+    H.wait_for(lambda: {e["ev"] for e in bad_events()} >= {r["ev"] for r in retired}, 3)
+    hist = bad_events()
     assert {e["ev"] for e in hist} >= {r["ev"] for r in retired}, (retired, hist)
     ups = [e for e in daemon.events(lab["prefix"] + "h2") if e.get("kind") == "link"]
     assert [(e["plane"], e["reason"]) for e in ups] == [(1, "LINK_UP")], ups

@@ -155,7 +155,7 @@ def test_top_with_daemon(lab):
             return i.planes_down()
 
     def gauge(text, plane):
-        m = re.search(r'mrc_plane_in_rotation\{instance="%s",plane="%d",dev="p%d"\} (\d)' % (inst, plane, plane), text)
+        m = re.search(r'mrc_plane_in_rotation\{dev="p%d",mrc_instance="%s",plane="%d"\} (\d)' % (plane, inst, plane), text)
         return m and int(m.group(1))
     try:
         p = H.cli("top", "-i", inst, "--once", env=d.env)
