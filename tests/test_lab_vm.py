@@ -59,9 +59,16 @@ def say(msg):
 
 
 # ---------------------------------------------------------------- rendering
-def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
+def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path, monkeypatch):
+    # an empty cache, as on a new machine: what the rendering names (the lab's ssh key)
+    # the rendering makes; nothing may come from an image built earlier
+    cache = tmp_path / "vmcache"
+    monkeypatch.setattr(vm, "CACHE", str(cache))
+    monkeypatch.setenv("MRC_VM_CACHE", str(cache))
     topo = load()
     r = vm.render(topo, "rv%s-" % TAG)
+    assert r["ssh_key"] == str(cache / "id_lab") and os.path.getsize(r["ssh_key"]) > 0
+    key = open(r["ssh_key"] + ".pub").read()
     assert [n["name"] for n in r["nodes"]] == list(topo.nodes)
     ends = {}
     for n in r["nodes"]:
@@ -89,6 +96,7 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
     got = json.loads(out.read_text())
     assert [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in got["nodes"]] == \
         [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in r["nodes"]]
+    assert got["ssh_key"] == r["ssh_key"] and open(r["ssh_key"] + ".pub").read() == key   # the same key
     if not shutil.which("vagrant"):
         pytest.fail("vagrant is not installed: run `make vm-setup`")
     env = dict(os.environ, VAGRANT_CWD=vm.VAGRANT_DIR, MRC_LAB_JSON=str(out),
