@@ -109,6 +109,22 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path, monkeypatc
     assert p.returncode != 0 and "mrc-xdp lab render --json" in p.stderr
 
 
+def test_lab_key_is_made_once_by_its_first_users(tmp_path):
+    """Four processes needing the lab's key at once on an empty cache (renderings, a
+    build) end with one key pair, the private and public halves matching."""
+    cache = tmp_path / "vmcache"
+    code = "from mrc_xdp.lab import vm; print(vm.lab_key())"
+    env = dict(os.environ, MRC_VM_CACHE=str(cache))
+    ps = [subprocess.Popen([os.sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+          for _ in range(4)]
+    got = {p.communicate(timeout=60)[0].strip() for p in ps}
+    assert all(p.returncode == 0 for p in ps) and len(got) == 1
+    pub = subprocess.run(["ssh-keygen", "-y", "-f", str(cache / "id_lab")], capture_output=True, text=True,
+                         check=True).stdout.split()[:2]
+    assert (cache / "id_lab.pub").read_text().split()[:2] == pub
+    assert sorted(os.listdir(cache)) == [".id_lab.lock", "id_lab", "id_lab.pub"]     # no temporaries
+
+
 # ---------------------------------------------------------------- the QEMU lab
 @pytest.fixture(scope="module")
 def vmlab():
