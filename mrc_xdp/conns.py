@@ -17,6 +17,12 @@ which T1 each EV hashes to, and that depends on the EV, not on the QPN).
 
 Adds and removes on one instance are serialised by ``flock`` on its pin directory
 (/sys/fs/bpf/mrc/<instance>), so concurrent processes cannot take the same id.
+
+A connection added with an ``owner`` pid (transport.QP.connect records its process's)
+also records that process's start time and pid namespace; ``reap`` removes the
+connections whose owner is gone (a process killed with -9 never removes its own), and
+transport.Endpoint calls it whenever an endpoint opens.  A pid reused by another process
+has another start time, so its new owner's connections are not mistaken for the old.
 """
 from __future__ import annotations
 
@@ -147,7 +153,8 @@ def add(instance: str, peer: str, local_qpn: int, remote_qpn: int, name: str = "
     Unset shape parameters come from an existing connection to the same peer (see the
     module docstring), else from the load defaults (8 active + 4 backup EVs per plane,
     one T1).  In srv6 mode the row template index is required when the instance has no
-    connection to the peer.  owner: a pid recorded in the state file (``remove_owned``).
+    connection to the peer.  owner: a pid recorded in the state file with its start time
+    (``reap``, ``remove_owned``).
     Returns {id, name, peer, local_qpn, remote_qpn, evs}.  ConnError when the
     connection exists (by either key), no id is free, or the shape is invalid.
     """
@@ -166,6 +173,32 @@ def add(instance: str, peer: str, local_qpn: int, remote_qpn: int, name: str = "
                         backup_per_plane, t1s, template, evs, backup_evs, owner)
         finally:
             m.close()
+
+
+def proc_start(pid: int) -> int | None:
+    """A live, non-zombie process's start time (clock ticks since boot); None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            rest = f.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if rest[0] in ("Z", "X") else int(rest[19])
+
+
+def _pidns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def owner_alive(meta: dict) -> bool:
+    """Whether the process that owns a connection (its state-file entry) still runs.
+    No owner, or one recorded in another pid namespace (its pid means nothing here):
+    True.  An entry without a start time (written before they were recorded) is judged
+    by its pid alone."""
+    pid = meta.get("owner")
+    if pid is None or meta.get("owner_pidns", _pidns()) != _pidns():
+        return True
+    start = proc_start(int(pid))
+    return start is not None and meta.get("owner_start", start) == start
 
 
 def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_plane, t1s,
@@ -231,7 +264,7 @@ def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_p
     meta = {"name": name or "%s/%d" % (peer, remote_qpn), "peer": peer, "local_qpn": local_qpn,
             "remote_qpn": remote_qpn, "runtime": True}
     if owner is not None:
-        meta["owner"] = owner
+        meta.update(owner=owner, owner_start=proc_start(owner), owner_pidns=_pidns())
     while len(conns) <= cid:
         conns.append(None)
     conns[cid] = meta
@@ -317,6 +350,34 @@ def remove_owned(instance: str, owner: int) -> list[dict]:
             with contextlib.suppress(ConnError):
                 out.append(remove(instance, c["peer"], c["local_qpn"]))
     return out
+
+
+def reap(instance: str) -> list[dict]:
+    """Remove every run-time connection whose owner process is gone (``owner_alive``):
+    the ones of endpoints that died without closing.  Returns what was removed."""
+    with _locked(instance):
+        state = _read_state(instance)
+        dead = [cid for cid, c in enumerate(state.get("connections", []))
+                if c and c.get("runtime") and not owner_alive(c)]
+        if not dead:
+            return []
+        m = _Maps(instance)
+        try:
+            return [_remove(m, state, cid) for cid in dead]     # ascending: later ids stay put
+        finally:
+            m.close()
+
+
+def reap_each(instances, log) -> None:
+    """reap() on each instance (the health daemon's rescan), each removal logged (one
+    line); an instance that cannot be read now is left for the next round."""
+    for n in list(instances):
+        try:
+            for c in reap(n):
+                log("%s: removed connection %d (%s, QPN %#x): its process %s is gone"
+                    % (n, c["id"], c["peer"], c["local_qpn"], c.get("owner")))
+        except (NotLoaded, OSError, ValueError) as e:       # (BpfError is an OSError)
+            log("%s: reaping connections: %s" % (n, e))
 
 
 def leftovers(instance: str, cid: int) -> list[str]:

@@ -6,19 +6,22 @@ buffer h0 -> h2 over one queue pair and shows how its packets were sprayed over 
 paths, then writes a bigger one and fails a T1 switch midway: the datapath retires
 exactly the EVs (paths) through it, the engine retransmits what was lost, and the
 buffer arrives intact (sha256 on both sides), with a goodput time line around the
-failure.  Then it tears the lab down.  Every figure printed is read live: the link
-models' per-link counters, h0's pinned EV table and event ring, the engine's per-QP
-counters.
+failure and how fast the datapath reacted (from the fault's injection to the first and
+the last EV retired, by the datapath's own event timestamps).  Then it tears the lab
+down.  Every figure printed is read live: the link models' per-link counters, h0's
+pinned EV table and event ring, the engine's per-QP counters and completions.
+
+``failover()`` is phase 3 as a library call (tests run it on a lab of their own).
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import sys
+import threading
 import time
 
 from . import bpfsys
-from .lab import cli as labcli
 from .lab import fabric, hosts, topology
 from .lab import linkmodel as lmod
 from .maps import Instance
@@ -77,10 +80,17 @@ def _ev_rows(inst):
 
 
 class _Transfer:
-    """One QP h0 -> h2 on the lab's QPNs: RDMA-Write a random buffer in 1 MiB Writes (the
-    last with immediate data), sample the receiver's placed bytes for a time line."""
+    """One QP h0 -> h2 on the lab's QPNs: RDMA-Write a random buffer in CHUNK-sized
+    Writes (the last with immediate data), with a time line of the bytes acknowledged.
 
-    CHUNK = 1 << 20
+    The time line is read from h0's completions (a Write completes once h2 has
+    acknowledged every byte of it), by a loop that does nothing else: the Writes are
+    posted by a thread of their own, because posting takes the engine's lock and can
+    wait there behind a busy progress thread for as long as the transfer runs (a fresh
+    machine's demo showed no sample until 90% had arrived).  Completions are read
+    without that lock.  CHUNK sets the time line's resolution."""
+
+    CHUNK = 1 << 18
 
     def __init__(self, topo, ep_s, ep_d, size):
         s, d = topo.host(SRC), topo.host(DST)
@@ -92,31 +102,47 @@ class _Transfer:
         self.ms, self.md = ep_s.reg_mr(self.data), ep_d.reg_mr(self.dbuf)
         self.qs.connect(self.qd.local_attrs())
         self.qd.connect(self.qs.local_attrs())
-        self.samples = []            # (monotonic s, receiver bytes placed)
+        self.samples = []            # (monotonic s, bytes acknowledged)
+        self.fired_at = None         # bytes acknowledged when the action ran
+
+    def _post(self, n, failed):
+        try:
+            for k in range(n):
+                off = k * self.CHUNK
+                self.qs.post_write(k, self.ms, off, min(self.CHUNK, self.size - off), self.md.addr + off,
+                                   self.md.rkey, imm=n if k == n - 1 else None)
+        except Exception as e:       # the sampling loop reports it
+            failed.append(e)
 
     def run(self, at_fraction=None, action=None, timeout=120.0):
         n = (self.size + self.CHUNK - 1) // self.CHUNK
-        base = self.qd.stats()["rx_bytes"]
+        failed = []
+        poster = threading.Thread(target=self._post, args=(n, failed), name="demo-post", daemon=True)
         t0 = time.monotonic()
-        for k in range(n):
-            off = k * self.CHUNK
-            self.qs.post_write(k, self.ms, off, min(self.CHUNK, self.size - off), self.md.addr + off,
-                               self.md.rkey, imm=n if k == n - 1 else None)
-        done, fired = 0, False
         self.samples.append((t0, 0))
-        while done < n:
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError("demo: the transfer stalled (%d of %d MiB acknowledged)" % (done, n))
-            for c in self.ep_s.cq.poll(256):
-                if not c.ok:
-                    raise RuntimeError("demo: a write completed with %s" % c.status.name)
-                done += 1
-            placed = self.qd.stats()["rx_bytes"] - base
-            self.samples.append((time.monotonic(), placed))
-            if action and not fired and placed >= at_fraction * self.size:
-                fired = True
-                action()
-            time.sleep(0.005)
+        poster.start()
+        done = acked = 0
+        fired = False
+        try:
+            while done < n:
+                if failed:
+                    raise RuntimeError("demo: posting the writes failed: %s" % failed[0])
+                if time.monotonic() - t0 > timeout:
+                    raise RuntimeError("demo: the transfer stalled (%d of %d writes acknowledged)" % (done, n))
+                got = self.ep_s.cq.wait_blocking(timeout=0.005, max_n=256)
+                now = time.monotonic()
+                for c in got:
+                    if not c.ok:
+                        raise RuntimeError("demo: a write completed with %s" % c.status.name)
+                    acked += min(self.CHUNK, self.size - c.wr_id * self.CHUNK)
+                    done += 1
+                if got:
+                    self.samples.append((now, acked))
+                if action and not fired and acked >= at_fraction * self.size:
+                    fired, self.fired_at = True, acked
+                    action()
+        finally:
+            poster.join()
         self.seconds = time.monotonic() - t0
         imm = None
         end = time.monotonic() + 5
@@ -138,20 +164,89 @@ class _Transfer:
         self.md.dereg()
 
 
-def _timeline(samples, t_fail, buckets=16) -> None:
-    """Goodput per interval (receiver's placed bytes), a bar each, the failure marked."""
+def timeline(samples, buckets=16) -> list:
+    """The goodput time line of samples [(monotonic s, bytes so far)]: `buckets` equal
+    intervals from the first sample to the last, each (start s, end s, bytes in it),
+    the bytes a sample adds counted in the interval it was taken in."""
     t0, t1 = samples[0][0], samples[-1][0]
     width = max((t1 - t0) / buckets, 0.01)
-    rows, j = [], 0
-    for b in range(buckets):
-        lo, hi = t0 + b * width, t0 + (b + 1) * width
-        before = max((v for t, v in samples if t <= lo), default=0)
-        upto = max((v for t, v in samples if t <= hi), default=0)
-        rows.append((lo - t0, hi - t0, (upto - before) * 8 / width))
-    peak = max(r[2] for r in rows) or 1
-    for lo, hi, bps in rows:
-        mark = "  <- T1 fails" if t_fail is not None and lo <= t_fail - t0 < hi else ""
-        _p("    %6.0f-%-6.0f ms %8.1f Mbit/s  %s%s" % (lo * 1000, hi * 1000, bps / 1e6, _bar(bps / peak, 40), mark))
+    got = [0] * buckets
+    for (_, a), (t, b) in zip(samples, samples[1:]):
+        got[min(int((t - t0) / width), buckets - 1)] += b - a
+    return [(k * width, (k + 1) * width, got[k]) for k in range(buckets)]
+
+
+def _print_timeline(rows, t_fail) -> None:
+    """A bar per interval, Mbit/s, the failure (seconds from the start) marked."""
+    mbps = [b * 8 / (hi - lo) / 1e6 for lo, hi, b in rows]
+    peak = max(mbps) or 1
+    for (lo, hi, b), m in zip(rows, mbps):
+        mark = "  <- T1 fails" if t_fail is not None and lo <= t_fail < hi else ""
+        _p("    %6.0f-%-6.0f ms %8.1f Mbit/s  %s%s" % (lo * 1000, hi * 1000, m, _bar(m / peak, 40), mark))
+
+
+def _fault_ends(topo, node):
+    """The receiving port of every link end into and out of a node (`lab fail` of it)."""
+    return [rx for name, rx, tx, lk in topo.link_ends() if node in (lk.a.node, lk.b.node)]
+
+
+def failover(topo, lm, inst, ep_s, ep_d, size, fail_node=FAIL, at_fraction=0.3) -> dict:
+    """Phase 3: h0 RDMA-Writes `size` bytes to h2 and, once at_fraction of them are
+    acknowledged, fail_node fails (every link end into and out of it blackholed through
+    the link model, lm); its ends' earlier configs are restored before returning.  Returns the finished
+    _Transfer ("transfer", closed), the time line ("timeline": timeline() rows, "t_fail"
+    seconds into it), the injection ("inject_ns": CLOCK_MONOTONIC just before the first
+    end was blackholed, "inject_us": how long blackholing every end took, "fired_at":
+    bytes acknowledged then), h0's EV events during the phase ("events": dicts) and the
+    reaction ("retired": the ASSUMED_BAD events after the injection; "first_us",
+    "last_us": their datapath timestamps minus inject_ns, None if none)."""
+    # each end's config before and during the fault, made before the clock starts: the
+    # injection is then one map write per end
+    saved = {rx.ifindex: lm.get(rx.ifindex) for rx in _fault_ends(topo, fail_node)}
+    dead = {i: dict(c, blackhole=True) for i, c in saved.items()}
+    events = []
+
+    def on_event(raw):
+        e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
+        events.append({"ts_ns": e.ts_ns, "ev": e.ev, "plane": e.plane, "old": EvState(e.old_state).name,
+                       "new": EvState(e.new_state).name, "reason": EvReason(e.reason).name,
+                       "other_ev": e.other_ev})
+
+    inject = {}
+
+    def fail():
+        # the datapath stamps events with bpf_ktime_get_ns(): CLOCK_MONOTONIC
+        inject["t"] = time.monotonic()
+        inject["ns"] = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        for i, c in dead.items():
+            lm.set(i, c, reset=False)
+        inject["done_ns"] = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+    ring = bpfsys.RingReader(inst.map("mrc_events").fd, on_event)
+    try:
+        while ring.poll(0) > 0:       # drop earlier events (phase 2's SKIP churn, if any)
+            pass
+        events.clear()
+        x = _Transfer(topo, ep_s, ep_d, size)
+        try:
+            x.run(at_fraction=at_fraction, action=fail)
+        finally:
+            x.close()
+            for i, c in saved.items():
+                lm.set(i, c, reset=False)
+        while ring.poll(10) > 0:
+            pass
+    finally:
+        ring.close()
+    t_ns = inject.get("ns")
+    retired = sorted((e for e in events if e["new"] == "ASSUMED_BAD" and t_ns is not None and e["ts_ns"] >= t_ns),
+                     key=lambda e: e["ts_ns"])       # (CPUs' events may interleave in the ring)
+    return {"transfer": x, "timeline": timeline(x.samples),
+            "t_fail": inject["t"] - x.samples[0][0] if inject else None,
+            "inject_ns": t_ns, "inject_us": (inject["done_ns"] - t_ns) / 1000 if inject else None,
+            "fired_at": x.fired_at, "events": events, "retired": retired,
+            "first_us": (retired[0]["ts_ns"] - t_ns) / 1000 if retired else None,
+            "last_us": (retired[-1]["ts_ns"] - t_ns) / 1000 if retired else None}
 
 
 def run(args) -> None:
@@ -214,37 +309,15 @@ def _demo(topo, lm, inst, n, mode, ep_s, ep_d):
         _p("      candidate EVs to learn which T1 each one takes, and kept equal numbers per T1.)")
 
     big = 4 * size
-    _p("\n[3/5] h0 writes a %d MiB buffer, and when 30%% of it has arrived T1 switch %s (plane 0)" % (big >> 20, FAIL))
-    _p("      fails: every packet into it is dropped (blackhole). h0 is not told. Its datapath sees")
-    _p("      holes in h2's SACK bitmaps, looks up which EV carried each lost PSN, and retires that")
-    _p("      EV (ASSUMED_BAD), putting a backup EV of the SAME plane in its place; the engine")
+    _p("\n[3/5] h0 writes a %d MiB buffer, and when 30%% of it has been acknowledged T1 switch %s" % (big >> 20, FAIL))
+    _p("      (plane 0) fails: every packet into it is dropped (blackhole). h0 is not told. Its datapath")
+    _p("      sees holes in h2's SACK bitmaps, looks up which EV carried each lost PSN, and retires")
+    _p("      that EV (ASSUMED_BAD), putting a backup EV of the SAME plane in its place; the engine")
     _p("      retransmits the lost packets on the paths that work.")
     base_paths = _paths(topo, lm)
-    events = []
-    t_fail = [None]
-
-    def on_event(raw):
-        e = ffi.cast("struct mrc_event *", ffi.from_buffer(raw))
-        events.append((e.ts_ns, e.ev, e.plane, 0, EvState(e.old_state).name, EvState(e.new_state).name, EvReason(e.reason).name, e.other_ev))
-
-    ring = bpfsys.RingReader(inst.map("mrc_events").fd, on_event)
-    while ring.poll(0) > 0:       # drop events from phase 2 (SKIP churn, if any)
-        pass
-    events.clear()
-
-    def fail():
-        t_fail[0] = time.monotonic()
-        t_fail.append(time.monotonic_ns())
-        labcli.fail(PREFIX, FAIL)
-    try:
-        x = _Transfer(topo, ep_s, ep_d, big).run(at_fraction=0.3, action=fail)
-        x.close()
-        while ring.poll(10) > 0:
-            pass
-    finally:
-        ring.close()
+    fo = failover(topo, lm, inst, ep_s, ep_d, big)
+    x, events, retired = fo["transfer"], fo["events"], fo["retired"]
     paths = _paths(topo, lm, base_paths)
-    retired = [e for e in events if e[5] == "ASSUMED_BAD"]
     _p("      %d MiB in %.2f s; sha256 %s on h0, %s on h2: %s (immediate data %s)." % (
         big >> 20, x.seconds, x.sha_s[:16], x.sha_d[:16],
         "the buffer arrived INTACT" if x.sha_s == x.sha_d else "CORRUPTED", x.imm))
@@ -253,29 +326,32 @@ def _demo(topo, lm, inst, n, mode, ep_s, ep_d):
         tx["tx_pkts"], tx["rtx_pkts"], 100.0 * tx["rtx_pkts"] / max(tx["tx_pkts"], 1), tx["rtx_sack"], tx["rtx_timeout"]))
     _p("      %d after NACK TRIMMED; RTO expiries %d, smoothed RTT %.0f us." % (
         tx["rtx_nack_trim"], tx["timeouts"], tx["srtt_ns"] / 1000))
-    if retired and len(t_fail) > 1:
-        first, last = retired[0][0], retired[-1][0]
-        _p("      first EV retired %.2f ms after the failure, the last one %.2f ms after it; %d EVs" % (
-            (first - t_fail[1]) / 1e6, (last - t_fail[1]) / 1e6, len(retired)))
-        _p("      retired, %d backups promoted, no operator and no user space in the loop." % (
-            sum(1 for e in events if e[6] == "REPLACED")))
+    if fo["inject_ns"] is None:
+        _p("      the transfer ended before 30%% was acknowledged: no fault was injected.")
+    elif retired:
+        _p("      Reaction, by the datapath's event timestamps from the fault's injection (blackholing")
+        _p("      its %d link ends took %.0f us): first EV retired after %.0f us, the last after %.0f us;" % (
+            len(_fault_ends(topo, FAIL)), fo["inject_us"], fo["first_us"], fo["last_us"]))
+        _p("      %d EVs retired, %d backups promoted, no operator and no user space in the loop." % (
+            len(retired), sum(1 for e in events if e["reason"] == "REPLACED")))
     else:
         _p("      no EV was retired: the transfer may have been too short to see losses.")
-    _p("      Goodput at h2 (bytes placed) around the failure:")
-    _timeline(x.samples, t_fail[0])
+    _p("      Goodput (bytes h2 acknowledged, as h0's completed Writes) around the failure:")
+    _print_timeline(fo["timeline"], fo["t_fail"])
     _p("      Packets per path during this phase (the failed T1 stops receiving them):")
     _print_paths(paths)
     after2 = _ev_rows(inst)
     _p("\n[4/5] EV table of h0 -> h2 after the failure (packets during phase 3):")
     _print_evs(after2, after1, mode)
     bad = [r for r in after2 if r["state"] == "ASSUMED_BAD"]
+    planes = sorted({r["plane"] for r in bad})
     via_failed = bad and all(r["plane"] == 0 and r["t1"] == 1 for r in bad)
-    _p("      %d EVs ASSUMED_BAD%s, every one of them in plane 0; plane 1 never noticed." % (
-        len(bad), ", all through T1 1 (%s)" % ("the T1 their uSID path names" if mode == "srv6"
-                                               else "the T1 probing mapped them to") if via_failed else ""))
+    _p("      %d EVs ASSUMED_BAD, in plane%s %s%s." % (
+        len(bad), "s" if len(planes) > 1 else "", ", ".join(map(str, planes)) or "-",
+        ", all through T1 1 (%s)" % ("the T1 their uSID path names" if mode == "srv6"
+                                     else "the T1 probing mapped them to") if via_failed else ""))
     _p("      Resurrecting retired EVs once the path heals is the control plane's job (probes,")
     _p("      or `mrc-xdp ev allow EV`); the datapath never puts one back by itself.")
-    labcli.heal(PREFIX, FAIL)
 
 
 if __name__ == "__main__":

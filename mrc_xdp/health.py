@@ -57,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import bpfsys, maps, netns
+from . import bpfsys, conns, maps, netns
 from .shared import EvReason, EvState, ffi
 
 DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
@@ -875,6 +875,7 @@ class Daemon:
                                                            ", netns " + self.watch[n].netns if self.watch[n].netns else ""))
             except (maps.NotLoaded, OSError, bpfsys.BpfError) as e:
                 self.log("%s: cannot follow: %s" % (n, e))
+        conns.reap_each(self.watch, self.log)     # connections of processes gone
         for w in self.watch.values():
             w.sync_links()
 

@@ -435,6 +435,8 @@ class Endpoint:
             dscp_data, dscp_ctrl = int(c.dscp_data), int(c.dscp_ctrl)
         finally:
             inst.close()
+        from . import conns
+        conns.reap(instance)          # connections of endpoints that died without closing
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
         overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") else 0)

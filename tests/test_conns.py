@@ -220,3 +220,74 @@ def test_connectionless_probe_index_follows_runtime_connections(pair):
     assert _probe_idx(ia, B_ADDR) == [0, 0]
     conns.remove(ia, B_ADDR, 0x504)
     assert _probe_idx(ia, B_ADDR) == [0, 0] and conns.leftovers(ia, z["id"]) == []
+
+
+# An endpoint process that connects two QPs (so adds their connections, owned by its pid),
+# says which, and waits to be killed (bounded).
+_ENDPOINT_PROC = r"""
+import json, sys, time
+from mrc_xdp import transport
+ep = transport.Endpoint(sys.argv[1])
+qps = [ep.create_qp(qpn=q) for q in (0x600, 0x601)]
+for q in qps:
+    q.connect({"addr": sys.argv[2], "qpn": q.qpn + 0x100})
+print(json.dumps([q.qpn for q in qps]), flush=True)
+time.sleep(120)
+"""
+
+
+def test_connections_of_a_killed_endpoint_are_reaped(pair):
+    """An endpoint process killed with -9 leaves its QPs' connections in the datapath;
+    the next endpoint that opens removes them (conns.reap), and nothing else: not the
+    loaded connection, not one whose owner runs.  A connection whose owner pid now names
+    another process (another start time: the pid was reused) goes too."""
+    import signal
+    import subprocess
+    import sys
+    from mrc_xdp import transport
+    ia = pair["ia"]
+    live = conns.add(ia, B_ADDR, 0x610, 0x710, owner=os.getpid())
+    reused = conns.add(ia, B_ADDR, 0x611, 0x711, owner=os.getpid())
+    with open("/run/mrc-xdp/%s.json" % ia) as fh:
+        st = json.load(fh)
+    assert st["connections"][reused["id"]]["owner_start"] == conns.proc_start(os.getpid())
+    st["connections"][reused["id"]]["owner_start"] -= 1
+    with open("/run/mrc-xdp/%s.json" % ia, "w") as fh:
+        json.dump(st, fh)
+    p = subprocess.Popen([sys.executable, "-c", _ENDPOINT_PROC, ia, B_ADDR], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert json.loads(p.stdout.readline()) == [0x600, 0x601]
+        dead = [c["id"] for c in conns.list_(ia) if c.get("owner") == p.pid]
+        assert len(dead) == 2
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert all(conns.leftovers(ia, cid) != [] for cid in dead)      # left behind by the kill
+    with transport.Endpoint(ia):
+        pass
+    left = {c["id"] for c in conns.list_(ia)}
+    assert left == {0, live["id"]}
+    for cid in dead + [reused["id"]]:
+        assert conns.leftovers(ia, cid) == [], cid
+    assert conns.leftovers(ia, live["id"]) != [] and conns.leftovers(ia, 0) != []
+    conns.remove(ia, B_ADDR, 0x610)
+    assert conns.reap(ia) == [] and [c["id"] for c in conns.list_(ia)] == [0]
+
+
+def test_health_daemon_reaps_connections_of_processes_gone(pair):
+    """The health daemon's rescan reaps too (no endpoint need open again), and logs it."""
+    import subprocess
+    from mrc_xdp import health
+    ia = pair["ia"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    c = conns.add(ia, B_ADDR, 0x620, 0x720, owner=gone.pid)
+    logged = []
+    d = health.Daemon(health.HealthConfig(instances=[ia], follow_links=False), prober=None, log=logged.append)
+    try:
+        d.rescan()
+    finally:
+        d.close()
+    assert [x["id"] for x in conns.list_(ia)] == [0] and conns.leftovers(ia, c["id"]) == []
+    assert any("removed connection %d" % c["id"] in m and str(gone.pid) in m for m in logged), logged

@@ -59,9 +59,16 @@ def say(msg):
 
 
 # ---------------------------------------------------------------- rendering
-def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
+def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path, monkeypatch):
+    # an empty cache, as on a new machine: what the rendering names (the lab's ssh key)
+    # the rendering makes; nothing may come from an image built earlier
+    cache = tmp_path / "vmcache"
+    monkeypatch.setattr(vm, "CACHE", str(cache))
+    monkeypatch.setenv("MRC_VM_CACHE", str(cache))
     topo = load()
     r = vm.render(topo, "rv%s-" % TAG)
+    assert r["ssh_key"] == str(cache / "id_lab") and os.path.getsize(r["ssh_key"]) > 0
+    key = open(r["ssh_key"] + ".pub").read()
     assert [n["name"] for n in r["nodes"]] == list(topo.nodes)
     ends = {}
     for n in r["nodes"]:
@@ -89,6 +96,7 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
     got = json.loads(out.read_text())
     assert [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in got["nodes"]] == \
         [[(c["ifname"], c["mac"]) for c in n["nics"]] for n in r["nodes"]]
+    assert got["ssh_key"] == r["ssh_key"] and open(r["ssh_key"] + ".pub").read() == key   # the same key
     if not shutil.which("vagrant"):
         pytest.fail("vagrant is not installed: run `make vm-setup`")
     env = dict(os.environ, VAGRANT_CWD=vm.VAGRANT_DIR, MRC_LAB_JSON=str(out),
@@ -99,6 +107,22 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path):
     env["MRC_LAB_JSON"] = str(tmp_path / "missing.json")
     p = subprocess.run(["vagrant", "validate"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "mrc-xdp lab render --json" in p.stderr
+
+
+def test_lab_key_is_made_once_by_its_first_users(tmp_path):
+    """Four processes needing the lab's key at once on an empty cache (renderings, a
+    build) end with one key pair, the private and public halves matching."""
+    cache = tmp_path / "vmcache"
+    code = "from mrc_xdp.lab import vm; print(vm.lab_key())"
+    env = dict(os.environ, MRC_VM_CACHE=str(cache))
+    ps = [subprocess.Popen([os.sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+          for _ in range(4)]
+    got = {p.communicate(timeout=60)[0].strip() for p in ps}
+    assert all(p.returncode == 0 for p in ps) and len(got) == 1
+    pub = subprocess.run(["ssh-keygen", "-y", "-f", str(cache / "id_lab")], capture_output=True, text=True,
+                         check=True).stdout.split()[:2]
+    assert (cache / "id_lab.pub").read_text().split()[:2] == pub
+    assert sorted(os.listdir(cache)) == [".id_lab.lock", "id_lab", "id_lab.pub"]     # no temporaries
 
 
 # ---------------------------------------------------------------- the QEMU lab

@@ -74,6 +74,7 @@ fi
 say "configure (ssh keys, lab-init, users)"
 echo lab > "$R/etc/hostname"
 printf '/dev/vda / ext4 defaults,noatime 0 1\n' > "$R/etc/fstab"
+# the lab's key: vm.lab_key() made it (a rendering names it too); made here only by hand
 [ -f "$OUT/id_lab" ] || ssh-keygen -q -t ed25519 -N '' -C mrc-xdp-lab -f "$OUT/id_lab"
 install -d -m 700 "$R/root/.ssh"
 VKEY=$(ls /usr/share/rubygems-integration/all/gems/vagrant-*/keys/vagrant.pub 2>/dev/null | head -1 || true)

@@ -5,7 +5,9 @@ topology link, configured by the same lab code as the netns lab (over SSH).
   the guest kernel from tools/kmatrix.py's cache (default Debian's 7.x: its verifier
   accepts the datapath), this checkout at /opt/mrc-xdp set up by scripts/setup.sh,
   an unpartitioned ext4 (mkfs.ext4 -d) as qcow2, direct kernel boot.  Cached under
-  /var/cache/mrc-xdp/vm; rebuilt only when the sources, the recipe or the kernel change.
+  $MRC_VM_CACHE (default /var/cache/mrc-xdp/vm); rebuilt only when the sources, the
+  recipe, the kernel or the lab's SSH key (``lab_key()``, made by whoever needs it
+  first: the build or a rendering) change.
   ``build_box()`` packages it as the Vagrant box ``mrc-xdp/lab`` (libvirt provider).
 - Plan: ``plan(topo, prefix)`` gives every VM its NICs: a management NIC (eth0) and one
   virtio-net NIC per port, with the topology's MAC; each link is a pair of UDP sockets
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -87,6 +90,36 @@ def image() -> dict:
             "info": os.path.join(CACHE, "build.json")}
 
 
+def lab_key() -> str:
+    """The lab's SSH key pair (CACHE/id_lab, ed25519), made on first use.  The guest
+    image authorises it, the runners log in with it, and a rendering names it (`vagrant
+    validate` wants the file to exist): whoever needs it first makes it, under a lock
+    (two first users at once make one key), the private key renamed into place last.
+    Returns the sha256 of the public key (build.json records the one the image took)."""
+    key = image()["key"]
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+        with open(os.path.join(CACHE, ".id_lab.lock"), "w") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            if not (os.path.exists(key) and os.path.exists(key + ".pub")):
+                _which("ssh-keygen")
+                tmp = "%s.tmp%d" % (key, os.getpid())
+                for f in (tmp, tmp + ".pub"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f)
+                r = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mrc-xdp-lab",
+                                    "-f", tmp], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                if r.returncode:
+                    raise VmError("ssh-keygen: %s" % _last(r))
+                os.replace(tmp + ".pub", key + ".pub")
+                os.replace(tmp, key)
+            with open(key + ".pub", "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise VmError("the lab's ssh key %s: %s (run as root, or set MRC_VM_CACHE to a directory "
+                      "you can write)" % (key, e.strerror or e)) from None
+
+
 # What of the checkout goes into the guest (and so, when changed, rebuilds the image):
 # the package, the BPF sources, the set-up, the image recipe.  Tests, tools and docs do not.
 GUEST_PATHS = ("mrc_xdp", "bpf", "scripts/setup.sh", "scripts/lib.sh", "setup.py", "pyproject.toml",
@@ -131,10 +164,11 @@ def build_image(progress=_noop, force: bool = False) -> dict:
         raise VmError("guest kernel: %s" % e) from None
     kroot = os.path.dirname(os.path.dirname(vmlinuz))
     digest = source_digest(kver)
+    key = lab_key()          # build-image.sh authorises it in the guest
     info = image_info()
     img = image()
-    if not force and info and info.get("digest") == digest and all(
-            os.path.exists(img[k]) for k in ("base", "kernel", "initrd", "key")):
+    if not force and info and info.get("digest") == digest and info.get("key") == key and all(
+            os.path.exists(img[k]) for k in ("base", "kernel", "initrd")):
         progress("guest image: cached (%s, kernel %s)" % (img["base"], kver))
         return dict(info, cached=True)
     t0 = time.monotonic()
@@ -155,7 +189,7 @@ def build_image(progress=_noop, force: bool = False) -> dict:
             progress("  " + line)
     if p.wait():
         raise VmError("guest image build failed: %s" % (last[-1] if last else "exit %d" % p.returncode))
-    info = {"digest": digest, "kver": kver, "kernel": KERNEL, "built": time.time(),
+    info = {"digest": digest, "key": key, "kver": kver, "kernel": KERNEL, "built": time.time(),
             "seconds": round(time.monotonic() - t0, 1),
             "size_mb": round(os.path.getsize(img["base"]) / 2**20)}
     with open(img["info"], "w") as f:
@@ -299,6 +333,7 @@ def render(topo: Topology, prefix: str, base_port: int | None = None) -> dict:
     """The JSON vagrant/Vagrantfile reads: the plan, the image, the accelerator."""
     a, why = accel()
     img = image()
+    lab_key()                # named below: the Vagrantfile does not validate without it
     pl = plan(topo, prefix, base_port)
     return {"prefix": prefix, "topology": topo.summary(), "mode": topo.mode,
             "box": BOX_NAME, "kernel": img["kernel"], "initrd": img["initrd"],
