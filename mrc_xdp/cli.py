@@ -615,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import perf                  # write-bw, write-lat, send, recv
     perf.add_parsers(sub)
 
+    from .collective import perf as cperf   # allreduce-perf, allgather-perf, ...
+    cperf.add_parsers(sub)
+
     from . import health                # daemon, fabric check, top
     health.add_parsers(sub)
 

@@ -443,6 +443,13 @@ def cmd_exec(args) -> int:
         raise fabric.LabError("%s: %s" % (cmd[0], e.strerror)) from None
 
 
+def cmd_launch(args) -> int:
+    from . import launch
+    cmd = exec_command(args)
+    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
+    return launch.launch(args.prefix, cmd, hosts=hosts, timeout=args.timeout, port=args.port)
+
+
 def cmd_link_set(args) -> int:
     changes = parse_settings(args.settings)
     names = set_link(args.prefix, args.link, **changes)
@@ -642,6 +649,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("node")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
     _set_handler(p, cmd_exec)
+
+    p = common(sub.add_parser(
+        "launch", help="run a distributed job: CMD once per host, with torchrun's environment",
+        usage="%(prog)s [--prefix P] [--hosts h0,h1,...] [--timeout S] [--port P] -- CMD [ARG ...]",
+        description="Run CMD once per lab host, inside the host's namespace, with the variables "
+        "torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR = the first host's control address, "
+        "MASTER_PORT) and MRC_INSTANCE (the host's datapath instance, for the \"mrc\" torch backend). "
+        "Lines are prefixed with their rank; a failing rank stops the others; the exit status is "
+        "the first failure's (124 on timeout). Example: mrc-xdp lab launch -- .venv/bin/python "
+        "examples/train_ddp.py --backend mrc"))
+    p.add_argument("--hosts", help="comma-separated hosts, rank order (default: every host)")
+    p.add_argument("--timeout", type=float, help="stop every rank after S seconds")
+    p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
+    _set_handler(p, cmd_launch)
 
     lk = sub.add_parser("link", help="link model settings")
     lsub = lk.add_subparsers(dest="link_cmd", metavar="COMMAND")
