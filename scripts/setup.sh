@@ -32,6 +32,7 @@ APT_PKGS=(
     iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
     python3-rich python3-matplotlib tmux             # mrc-xdp top, bench_failover plot, top test
     python3-prometheus-client                        # mrc-xdp metrics
+    python3-numpy                                    # the collective library
 )
 # MRC_SETUP_EXTRAS=0 leaves out what only the evaluation's plots, the benchmarks and the
 # `mrc-xdp top` test use (the VM lab's guest image sets it: matplotlib is most of a cold
@@ -78,8 +79,14 @@ fi
 mkdir -p "$LOG_DIR"
 
 # Python packages Debian lacks, installed into .venv with pip.  Everything else comes
-# from Debian through the system site packages.  Currently none.  Never add "bcc".
+# from Debian through the system site packages.  Never add "bcc".
+# PyTorch (the "mrc" torch.distributed backend, the *-perf tools, the training example):
+# pinned exactly, which takes the CPU build; an unpinned or open-range torch resolves to
+# a CUDA build of several GB.  Left out with MRC_SETUP_EXTRAS=0 (the VM lab's guests).
 PIP_PKGS=()
+if [ "${MRC_SETUP_EXTRAS:-1}" != 0 ]; then
+    PIP_PKGS+=(torch==2.13.0)
+fi
 
 # Editable install: reinstalled only when its inputs change (setup.py, pyproject.toml,
 # PIP_PKGS, the sources of the cffi-built transport engine), or when the engine's
@@ -129,7 +136,12 @@ except Exception as e:
     sys.exit("setup: error: .venv cannot import mrc_xdp or its transport engine (%s: %s): "
              "run make clean && make setup" % (type(e).__name__, e))
 EOF
-say "imports: bcc, scapy, pyroute2, cffi, prometheus_client, mrc_xdp (with its engine) ok"
+if [ "${MRC_SETUP_EXTRAS:-1}" != 0 ]; then
+    "$VENV/bin/python" -I -c 'import torch, torch.distributed as d; assert d.is_available(); print(torch.__version__)' \
+        >"$LOG_DIR/torch-check.log" 2>&1 \
+        || { tail -n 5 "$LOG_DIR/torch-check.log" >&2; die "torch does not import in .venv (log: $LOG_DIR/torch-check.log): run make clean && make setup"; }
+fi
+say "imports: bcc, scapy, pyroute2, cffi, prometheus_client, mrc_xdp (with its engine)${PIP_PKGS[*]:+, ${PIP_PKGS[*]}} ok"
 
 # bcc compiles and loads a trivial XDP program (a fraction of a second).
 bcc_log=$LOG_DIR/bcc-check.log
