@@ -3,13 +3,17 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo test bench evaluate clean
+.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo train-demo test bench evaluate clean
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/mrc-xdp demo
+
+# a PyTorch DDP job over the "mrc" backend on the lab's 4 hosts while a T1 switch fails
+train-demo: setup
+	$(VENV)/bin/mrc-xdp demo --train
 
 # the kernel matrix (tests/test_kernel_matrix.py) needs QEMU, virtme-ng and the kernels
 kmatrix-setup: setup

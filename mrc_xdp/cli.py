@@ -494,6 +494,14 @@ def cmd_version(args):
 
 
 def cmd_demo(args):
+    if args.train:
+        from . import train_demo
+        from .lab.fabric import LabError
+        try:
+            train_demo.run(args)
+        except LabError as e:
+            raise CliError(str(e)) from None
+        return
     from . import demo
     demo.run(args)
 
@@ -610,6 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mode", choices=["srv6", "ecmp"], default="srv6")
     sp.add_argument("--packets", type=int, default=20000, help="packets per phase")
     sp.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    sp.add_argument("--train", action="store_true",
+                    help="instead: a PyTorch DDP job (examples/train_ddp.py) over the \"mrc\" backend on all "
+                    "four hosts while a T1 switch fails (make train-demo)")
+    sp.add_argument("--steps", type=int, default=150, help="training steps with --train (150)")
     sp.set_defaults(fn=cmd_demo)
 
     from . import perf                  # write-bw, write-lat, send, recv

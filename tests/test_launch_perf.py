@@ -94,3 +94,15 @@ def test_perf_tool_outside_a_job_is_one_line():
     r = subprocess.run(MRC + ["allreduce-perf"], capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert r.returncode == 1 and "no rank" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_train_demo_runs_and_trains_through_a_t1_failure():
+    """`make train-demo` = `mrc-xdp demo --train`: lab up, DDP over "mrc" on 4 hosts, a T1
+    failed mid-training, training completes, lab down."""
+    r = subprocess.run(MRC + ["demo", "--train", "--steps", "45"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "T1 switch p0t1s1 (plane 0) fails now" in r.stdout
+    assert "training went on through the failure" in r.stdout
+    assert re.search(r"train_ddp: 45 steps in [\d.]+ s", r.stdout), r.stdout[-2000:]
+    assert "lab torn down" in r.stdout
+    assert not fabric.running("mrctrain-")
