@@ -73,7 +73,9 @@ class Communicator:
         self.chunk, self.slots = chunk_bytes, slots
         self._dead: str | None = None
         self._wr = 0
-        self._pending: set[int] = set()       # wr_ids of writes not completed
+        self._pending: set[int] = set()       # wr_ids of data writes not completed
+        self._credit_wrs: set[int] = set()    # wr_ids of credits not completed
+        self._store, self._key = store, key
         self.peers = [j for j in range(world_size) if j != rank]
         self.ep = None
         try:
@@ -111,9 +113,27 @@ class Communicator:
         self._rx = {j: deque() for j in self.peers}
 
     def close(self) -> None:
-        """Free the QPs, buffers and the Endpoint (its run-time datapath connections too)."""
+        """Free the QPs, buffers and the Endpoint (its run-time datapath connections too).
+
+        A rank that leaves takes its engine with it, and the engine is what acknowledges
+        the peers' last writes: so a healthy communicator first says goodbye through the
+        store and waits (at most `timeout`, 60 s) until every peer has too, i.e. until
+        every peer's writes to this rank were acknowledged."""
         ep, self.ep = self.ep, None
-        if ep is not None:
+        if ep is None:
+            return
+        try:
+            if self._dead is None and getattr(self, "_qp", None):
+                self.ep = ep
+                self._drain()
+                self.ep = None
+                self._store.set("%s/bye/%d" % (self._key, self.rank), b"1")
+                for j in self.peers:
+                    self._store.get("%s/bye/%d" % (self._key, j), timeout=min(self.timeout, 60.0))
+        except Exception:           # a peer gone or the store gone: leave anyway
+            pass
+        finally:
+            self.ep = None
             ep.close()
 
     def __enter__(self):
@@ -142,7 +162,11 @@ class Communicator:
             got = self.ep.cq.wait_blocking(wait, 256)
         for c in got:
             j = self._peer_of.get(c.qpn)
-            if not c.ok:
+            if c.wr_id in self._credit_wrs:
+                self._credit_wrs.discard(c.wr_id)
+                if not c.ok:            # the peer will fail its own writes to us: say it there
+                    continue
+            elif not c.ok:
                 self._fail("rank %d: the write %s rank %s failed (%s): %s" % (
                     self.rank, "from" if c.opcode == transport.WcOpcode.RECV_RDMA_IMM else "to",
                     j, c.status.name, self._qp_state(j) if j is not None else "unknown QP"))
@@ -171,7 +195,9 @@ class Communicator:
             self._qp[j].post_write(self._wr, mr, off, length, raddr, rkey, imm=imm)
         except transport.TransportError as e:
             self._fail("rank %d: to rank %d: %s: %s" % (self.rank, j, e, self._qp_state(j)))
-        self._pending.add(self._wr)
+        # a collective waits for its data writes; a credit is the peer's business (if the
+        # peer has left, its credit can never be acknowledged: that is no error of ours)
+        (self._credit_wrs if imm & CREDIT else self._pending).add(self._wr)
         return self._wr
 
     # ------------------------------------------------------------------ streams
