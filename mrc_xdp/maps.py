@@ -127,6 +127,8 @@ def write_all(m: dict, cfg: HostConfig, dev: DevInfo, icrc_rows: list[list[int]]
     c.flags = (const("MRC_CF_DSCP_REWRITE") if cfg.dscp_rewrite else 0) | const("MRC_CF_SET_ECT")
     c.loss_reorder = cfg.loss_reorder
     c.loss_thresh = cfg.loss_thresh
+    c.loss_window_us = cfg.loss_window_us
+    c.loss_window_div = cfg.loss_window_div
     ffi.memmove(c.local_addr, _addr(cfg.local_addr), 16)
     ffi.memmove(c.app_mac, _mac(dev.app_mac), 6)
     ffi.memmove(c.fab_mac, _mac(dev.fab_mac), 6)
