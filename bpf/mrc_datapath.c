@@ -328,12 +328,14 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 		c->min_rtt = mn;
 		c->min_rtt_ns = now;
 	}
+	/* the mean excess of RTT samples over the minimum (gain 1/8, as TCP's srtt): the
+	 * queueing and scheduling delay that reorders paths.  Four of it, as TCP's RTO
+	 * allows four mean deviations: a window of a few RTTs at most, so a loss is still
+	 * found within a small multiple of the RTT */
 	spread = c->rtt_spread;
-	spread -= spread >> 7;
-	if (rtt > mn && rtt - mn > spread)
-		spread = rtt - mn;
+	spread = spread - (spread >> 3) + ((rtt - mn) >> 3);
 	c->rtt_spread = spread;
-	w = spread + (cfg->loss_window_div ? mn / cfg->loss_window_div : 0);
+	w = 4 * spread + (cfg->loss_window_div ? mn / cfg->loss_window_div : 0);
 	if (w < cfg->loss_window_us)
 		w = cfg->loss_window_us;
 	if (w >= MRC_TS_WINDOW_MAX)

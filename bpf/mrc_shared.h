@@ -211,9 +211,9 @@ struct mrc_config {
 	__u32 probe_burst;      /* bucket depth: answers in one burst */
 	/* Time-based loss (RACK): a SACK hole is a loss when the missing packet was sent more
 	 * than the reorder window before the packet whose SACK reports it.  The window is
-	 * max(loss_window_us, min RTT / loss_window_div + RTT spread) (RACK: min RTT / 4;
-	 * the spread of RTT samples above the minimum is the reordering paths of unequal
-	 * delay can make), per connection (mrc_conn.reo_wnd). */
+	 * max(loss_window_us, min RTT / loss_window_div + 4 x RTT spread) (RACK: min RTT / 4;
+	 * the spread, the mean of RTT samples above the minimum, is the reordering queues and
+	 * busy CPUs make between paths), per connection (mrc_conn.reo_wnd). */
 	__u32 loss_window_us;   /* floor, MRC_TS_UNIT_NS units (us), below MRC_TS_WINDOW_MAX */
 	__u32 loss_window_div;  /* min RTT divisor; 0: the floor alone */
 };
@@ -258,8 +258,8 @@ struct mrc_conn {
 	__u32 reo_wnd;          /* reorder window of the time-based loss rule, TS units (ingress) */
 	__u32 min_rtt;          /* least RTT sample (TS units) from reflected TSETH timestamps;
 	                         * 0 = none yet */
-	__u32 rtt_spread;       /* how far RTT samples lie above min_rtt: the largest recent
-	                         * (rtt - min_rtt), decaying by 1/128 per sample (TS units) */
+	__u32 rtt_spread;       /* how far RTT samples lie above min_rtt: the mean of
+	                         * (rtt - min_rtt), gain 1/8 per sample (TS units) */
 	__u64 min_rtt_ns;       /* bpf_ktime_get_ns() when min_rtt was taken (it ages out after
 	                         * MRC_MIN_RTT_WLEN_NS) */
 };

@@ -458,6 +458,11 @@ class Instance:
         self.update_config(probe_rate=rate, probe_burst=burst)
         return self.probe_limit()
 
+    def config(self) -> dict:
+        """The datapath's live struct mrc_config, by field."""
+        c = ffi.cast("struct mrc_config *", ffi.from_buffer(self.map("mrc_cfg").lookup(0)))
+        return as_dict(c)
+
     def update_config(self, **changes) -> dict:
         """Change run-time fields of the datapath's mrc_config (e.g. loss_thresh,
         probe_rate); returns their previous values (to restore them)."""

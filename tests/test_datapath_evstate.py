@@ -478,6 +478,7 @@ def test_time_trigger_dated_by_its_reflected_timestamp(ecmp):
     original, so a hole sent just before it is no loss.  A later reflection than the ring
     (forged) changes nothing."""
     env = ecmp
+    env.set_cfg(loss_window_div=0)          # the window: the floor (reflections are RTT samples)
     wnd = env.cfg.loss_window_us
     hole = 20
     carried = _spray_stamped(env, lambda i: TS0 + 10 * i)
@@ -507,9 +508,12 @@ def test_time_window_adapts_to_the_rtt(ecmp):
     gap = {"near": 3000, "far": 25000}
     for name, psn0 in (("near", PSN0), ("far", PSN0 + 100)):
         hole = 5
-        carried = _spray_stamped(env, lambda i: TS0 + (0 if i <= hole else gap[name]), psn0=psn0)
+        sent = time.monotonic_ns() // unit - 5000              # the trigger: sent 5 ms ago ...
+        carried = _spray_stamped(env, lambda i: sent - (gap[name] if i <= hole else 0), psn0=psn0)
         x = carried[psn0 + hole]
-        refl = (time.monotonic_ns() // unit - 5000) & 0xFFFF    # sent 5 ms ago
+        # ... its reflection taken now, so the RTT sample is 5 ms however long spraying took
+        # (a reflection later than the ring's timestamp leaves the trigger dated by the ring)
+        refl = (time.monotonic_ns() // unit - 5000) & 0xFFFF
         d = _fb(env, "sack", _other_ev(env, x), cack_psn=psn0, bitmap=_sack_bitmap([hole]),
                 cc={"tx_ts": refl})
         c = _conn_rt(env)
