@@ -300,9 +300,10 @@ static __always_inline int psn_in_window(__u32 hi, __u32 psn)
  * Date the packet that triggered this SACK (its PSN ring entry, ape) and keep the
  * connection's reorder window.  The trigger was sent at the ring's timestamp, or at the
  * reflected one (CC_STATE) when that is earlier: an earlier transmission of the PSN
- * arrived (a reflection can only make the trigger older, so a forged one retires
- * nothing).  The reflection is also an RTT sample (bpf_ktime_get_ns() is the engine's
- * clock): the window is max(loss_window_us, min RTT / loss_window_div + RTT spread).
+ * arrived (a reflection only ever dates the trigger earlier: a forged one cannot make
+ * a packet look lost).  The reflection is also an RTT sample (bpf_ktime_get_ns() is
+ * the engine's clock): the window is max(loss_window_us, min RTT / loss_window_div +
+ * 4 x RTT spread), never below the floor.
  * Returns the trigger's send time, 0 when it was sent without a timestamp.
  */
 static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *cfg,
