@@ -224,6 +224,13 @@ int mrc_spray(struct xdp_md *ctx)
 
 		k = cid * MRC_PSN_RING + (p.psn & (MRC_PSN_RING - 1));
 		pe = mrc_psn.lookup(&k);
+		/* A retransmission of a stamped packet not yet judged (no loss attributed, no
+		 * NACK) leaves the entry as it is: the loss rule judges the first transmission
+		 * by its own send time, whenever the engine chose to resend it (its rule is
+		 * the PSN distance: under reordering it resends packets that were not lost). */
+		if (pe && (p.b8 & MRC_BTH_B8_RTX) && pe->psn == p.psn && pe->flags == MRC_PSNF_VALID &&
+		    pe->ts && ts)
+			pe = 0;
 		if (pe) {
 			pe->psn = p.psn;
 			pe->ev = e->ev;

@@ -457,19 +457,33 @@ def test_time_loss_found_one_window_after(ecmp, extra, lost):
         [(v.ev, v.old_state, v.new_state, v.reason) for v in env.events()]
 
 
-def test_time_hole_resent_after_the_trigger_is_in_flight(ecmp):
-    """The hole's ring entry is a retransmission sent after the triggering packet: no loss
-    on the retransmission's EV."""
+def test_time_resent_hole_judged_by_its_first_send(ecmp):
+    """The engine resends a hole (its own rule is the PSN distance) before the datapath
+    judged it: the ring keeps the first transmission (EV, timestamp), which the loss rule
+    judges by its own send time, and blames on its own EV.  Once judged, a retransmission
+    takes the entry; sent after the trigger, it is in flight, no loss on its EV."""
     env = ecmp
     hole = 2
     carried = _spray_stamped(env, lambda i: TS0 + 1000 * i)
+    first = env.psn_entry(CONN_A, PSN0 + hole)
     ret, o = env.run("spray", data(PSN0 + hole, ts=TS0 + 1000 * NPSN, rtx=True))
     assert ret == XDP_REDIRECT
-    x = wire.ev_of_frame(o)
-    d = _fb(env, "sack", _other_ev(env, x, carried[PSN0 + hole]), cack_psn=PSN0,
-            bitmap=_sack_bitmap([hole]))
+    y = wire.ev_of_frame(o)
+    pe = env.psn_entry(CONN_A, PSN0 + hole)
+    assert (pe.ev, pe.ts, pe.txseq) == (first.ev, first.ts, first.txseq), "the first send is kept"
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, x, y)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    assert d == dict(ING_FB, ing_sack=1, **TIME_LOSS)
+    assert env.state(CONN_A, x) == EvState.ASSUMED_BAD
+    # judged: the next retransmission (after the trigger) takes the entry and is in flight
+    ret, o = env.run("spray", data(PSN0 + hole, ts=TS0 + 1000 * NPSN + 5, rtx=True))
+    assert ret == XDP_REDIRECT
+    z = wire.ev_of_frame(o)
+    assert env.psn_entry(CONN_A, PSN0 + hole).ev == z
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
     assert d == dict(ING_FB, ing_sack=1)
-    assert env.state(CONN_A, x) == EvState.GOOD
+    assert env.state(CONN_A, z) == EvState.GOOD
 
 
 def test_time_trigger_dated_by_its_reflected_timestamp(ecmp):
@@ -483,6 +497,7 @@ def test_time_trigger_dated_by_its_reflected_timestamp(ecmp):
     hole = 20
     carried = _spray_stamped(env, lambda i: TS0 + 10 * i)
     top = PSN0 + NPSN - 1
+    _fb(env, "nack", carried[top], nack_psn=top)           # trimmed: judged, then resent
     ret, _ = env.run("spray", data(top, ts=TS0 + 10 * NPSN + 3 * wnd, rtx=True))
     assert ret == XDP_REDIRECT
     x = carried[PSN0 + hole]
@@ -499,25 +514,26 @@ def test_time_trigger_dated_by_its_reflected_timestamp(ecmp):
 
 def test_time_window_adapts_to_the_rtt(ecmp):
     """The reflected timestamp is an RTT sample (bpf_ktime_get_ns is the engine's
-    CLOCK_MONOTONIC): with loss_window_div 1 and a small floor the window is the min
-    RTT, here about 5 ms, so a hole sent 3 ms before the trigger is reordering and one
-    sent 25 ms before is a loss.  The window and the RTT are in mrc_conns."""
+    CLOCK_MONOTONIC): with loss_window_div 1 and a small floor the window is at least the
+    min RTT, here 2 ms (plus however long the test takes to send the SACK), so a hole sent
+    1 ms before the trigger is reordering and one sent 29 ms before is a loss.  The
+    window and the RTT are in mrc_conns."""
     env = ecmp
     env.set_cfg(loss_window_us=10, loss_window_div=1)
     unit = const("MRC_TS_UNIT_NS")
-    gap = {"near": 3000, "far": 25000}
+    gap = {"near": 1000, "far": 29000}
     for name, psn0 in (("near", PSN0), ("far", PSN0 + 100)):
         hole = 5
-        sent = time.monotonic_ns() // unit - 5000              # the trigger: sent 5 ms ago ...
+        sent = time.monotonic_ns() // unit - 2000              # the trigger: sent 2 ms ago ...
         carried = _spray_stamped(env, lambda i: sent - (gap[name] if i <= hole else 0), psn0=psn0)
         x = carried[psn0 + hole]
-        # ... its reflection taken now, so the RTT sample is 5 ms however long spraying took
+        # ... its reflection taken now, so the RTT sample is 2 ms however long spraying took
         # (a reflection later than the ring's timestamp leaves the trigger dated by the ring)
-        refl = (time.monotonic_ns() // unit - 5000) & 0xFFFF
+        refl = (time.monotonic_ns() // unit - 2000) & 0xFFFF
         d = _fb(env, "sack", _other_ev(env, x), cack_psn=psn0, bitmap=_sack_bitmap([hole]),
                 cc={"tx_ts": refl})
         c = _conn_rt(env)
-        assert 5000 <= c.min_rtt < 15000 and c.reo_wnd >= c.min_rtt, (c.min_rtt, c.reo_wnd)
+        assert 2000 <= c.min_rtt < 25000 and c.reo_wnd >= c.min_rtt, (c.min_rtt, c.reo_wnd)
         assert d["ing_rtt"] == 1
         if name == "near":
             assert d.get("ing_loss", 0) == 0 and env.state(CONN_A, x) == EvState.GOOD, d

@@ -69,6 +69,12 @@ def _rows(lab):
         return [e for e in inst.ev_table() if e["conn_name"] == "h2"]
 
 
+def _counters(lab):
+    from mrc_xdp.maps import Instance
+    with Instance(lab["prefix"] + "h0") as inst:
+        return inst.counters()
+
+
 def _show(rows):
     return [(e["role"], "%#x" % e["ev"], e["plane"], e["t1"], e["state"], e["reason"], e["loss"])
             for e in rows]
@@ -114,6 +120,11 @@ def test_t1_blackhole_cpus_loaded(lab, fabric_links):
     assert through and all(e["state"] == "ASSUMED_BAD" for e in through if e["role"] == "active"), show
     others = [e for e in rows if (e["plane"], e["t1"]) != (0, 1) and e["state"] == "ASSUMED_BAD"]
     assert len(others) <= 1, show
+    # the engine stamps TSETH: the time-based rule retired them, not the PSN-distance fallback
+    assert all(e["reason"] == "LOSS" for e in rows if e["state"] == "ASSUMED_BAD"), show
+    ctr = _counters(lab)
+    retired = sum(e["state"] == "ASSUMED_BAD" for e in rows)
+    assert ctr["retire_loss"] >= retired and ctr["retire_loss_psn"] == 0, ctr
 
 
 def test_unequal_rates_no_retire(lab, fabric_links):
