@@ -21,7 +21,7 @@
 #define MRC_USID_MAX         6      /* uSIDs in one F3216 address */
 #define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
 #define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
-#define MRC_LOSS_BATCH       4      /* losses attributed per SACK at most */
+#define MRC_LOSS_BATCH       2      /* losses attributed per SACK at most */
 #define MRC_FB_WINDOW        32768  /* feedback: cack and bitmap base at most this far behind
                                      * the newest PSN sent + 1 (the reach of SETH's offsets) */
 #define MRC_BACKUP_PER_PLANE_MAX 16 /* backup EVs per plane (bounds the replacement scan) */
