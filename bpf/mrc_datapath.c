@@ -309,8 +309,8 @@ static __always_inline int psn_in_window(__u32 hi, __u32 psn)
  * reflected one (CC_STATE) when that is earlier: an earlier transmission of the PSN
  * arrived (a reflection only ever dates the trigger earlier: a forged one cannot make
  * a packet look lost).  The reflection is also an RTT sample (bpf_ktime_get_ns() is
- * the engine's clock): the window is max(loss_window_us, min RTT / loss_window_div +
- * 4 x RTT spread), never below the floor.
+ * the engine's clock): the window is min RTT / loss_window_div + 4 x RTT spread, at
+ * most the mean RTT (min RTT + spread), never below loss_window_us.
  * Returns the trigger's send time, 0 when it was sent without a timestamp.
  */
 static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *cfg,
@@ -344,6 +344,11 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 	spread = spread - (spread >> 3) + ((rtt - mn) >> 3);
 	c->rtt_spread = spread;
 	w = 4 * spread + (cfg->loss_window_div ? mn / cfg->loss_window_div : 0);
+	/* at most the mean RTT (RACK bounds its window by SRTT): the engine resends a hole
+	 * about an RTT after it is reported, and a hole filled before the window ran out
+	 * is never judged, so a longer window would never find a loss at all */
+	if (w > mn + spread)
+		w = mn + spread;
 	if (w < cfg->loss_window_us)
 		w = cfg->loss_window_us;
 	if (w >= MRC_TS_WINDOW_MAX)

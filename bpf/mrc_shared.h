@@ -211,9 +211,10 @@ struct mrc_config {
 	__u32 probe_burst;      /* bucket depth: answers in one burst */
 	/* Time-based loss (RACK): a SACK hole is a loss when the missing packet was sent more
 	 * than the reorder window before the packet whose SACK reports it.  The window is
-	 * max(loss_window_us, min RTT / loss_window_div + 4 x RTT spread) (RACK: min RTT / 4;
-	 * the spread, the mean of RTT samples above the minimum, is the reordering queues and
-	 * busy CPUs make between paths), per connection (mrc_conn.reo_wnd). */
+	 * max(loss_window_us, min(min RTT / loss_window_div + 4 x RTT spread, mean RTT))
+	 * (RACK: min RTT / 4, at most SRTT; the spread, the mean of RTT samples above the
+	 * minimum, is the reordering queues and busy CPUs make between paths), per
+	 * connection (mrc_conn.reo_wnd). */
 	__u32 loss_window_us;   /* floor, MRC_TS_UNIT_NS units (us), below MRC_TS_WINDOW_MAX */
 	__u32 loss_window_div;  /* min RTT divisor; 0: the floor alone */
 };

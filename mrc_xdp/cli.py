@@ -351,7 +351,7 @@ def _stats_text(s, all_counters=False):
     print(table(rows, ["counter", "value", "rate"]) if rows else "(all counters zero)")
     lr = s.get("loss_rule")
     if lr and lr["conns"]:
-        print("\nloss rule: a SACK hole is lost when sent more than max(%d us, min RTT / %d + 4 x RTT spread) "
+        print("\nloss rule: a SACK hole is lost when sent more than max(%d us, min(min RTT / %d + 4 x RTT spread, mean RTT)) "
               "before the packet SACKed (PSN distance for unstamped packets)" % (
                   lr["window_floor_us"], lr["window_min_rtt_div"]))
         print(table(lr["conns"], ["conn", "name", "window_us", "min_rtt_us", "rtt_spread_us"]))

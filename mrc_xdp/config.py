@@ -51,8 +51,8 @@ from .validate import int_in, keyname, no_unknown_keys, read_toml
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 # The time-based loss rule's reorder window floor, us (bpf/mrc_shared.h struct mrc_config):
-# a SACK hole is a loss when the packet was sent more than max(this, min RTT /
-# loss_window_div + 4 x RTT spread) before the packet whose SACK reports it.
+# a SACK hole is a loss when the packet was sent more than max(this, min(min RTT /
+# loss_window_div + 4 x RTT spread, mean RTT)) before the packet whose SACK reports it.
 LOSS_WINDOW_US = 200
 
 
