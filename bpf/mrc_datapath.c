@@ -228,9 +228,11 @@ int mrc_spray(struct xdp_md *ctx)
 		 * NACK) leaves the entry as it is: the loss rule judges the first transmission
 		 * by its own send time, whenever the engine chose to resend it (its rule is
 		 * the PSN distance: under reordering it resends packets that were not lost). */
-		if (pe && (p.b8 & MRC_BTH_B8_RTX) && pe->psn == p.psn && pe->flags == MRC_PSNF_VALID &&
-		    pe->ts && ts)
+		if (pe && (p.b8 & MRC_BTH_B8_RTX) && pe->psn == p.psn &&
+		    (pe->flags & ~MRC_PSNF_RESENT) == MRC_PSNF_VALID && pe->ts && ts) {
+			pe->flags |= MRC_PSNF_RESENT;
 			pe = 0;
+		}
 		if (pe) {
 			pe->psn = p.psn;
 			pe->ev = e->ev;
@@ -307,8 +309,9 @@ static __always_inline int psn_in_window(__u32 hi, __u32 psn)
  * Date the packet that triggered this SACK (its PSN ring entry, ape) and keep the
  * connection's reorder window.  The trigger was sent at the ring's timestamp, or at the
  * reflected one (CC_STATE) when that is earlier: an earlier transmission of the PSN
- * arrived (a reflection only ever dates the trigger earlier: a forged one cannot make
- * a packet look lost).  The reflection is also an RTT sample (bpf_ktime_get_ns() is
+ * arrived (a reflection only ever dates the trigger earlier, so a forged one cannot
+ * make a packet look lost, except for a PSN resent before it was judged, whose entry
+ * still holds the first send).  The reflection is also an RTT sample (bpf_ktime_get_ns() is
  * the engine's clock): the window is min RTT / loss_window_div + 4 x RTT spread, at
  * most the mean RTT (min RTT + spread), never below loss_window_us.
  * Returns the trigger's send time, 0 when it was sent without a timestamp.
@@ -323,7 +326,9 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 		return 0;
 	if (!refl)
 		return trig;
-	if ((__s16)(trig - refl) > 0)
+	/* resent unjudged (the ring still holds the first send): the reflection says which
+	 * send triggered the SACK */
+	if ((__s16)(trig - refl) > 0 || (ape->flags & MRC_PSNF_RESENT))
 		trig = refl;
 	now = bpf_ktime_get_ns();
 	rtt = ((__u32)(now / MRC_TS_UNIT_NS) - refl) & 0xFFFF;
@@ -407,7 +412,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 			continue;
 		k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
 		pe = mrc_psn.lookup(&k);
-		if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
+		if (!pe || pe->psn != psn || (pe->flags & ~MRC_PSNF_RESENT) != MRC_PSNF_VALID)
 			continue;
 		if (pe->ts & tmask) {
 			d = (trig_ts - pe->ts) & 0xFFFF;

@@ -336,8 +336,10 @@ struct mrc_psn_ent {
 	__u32 txseq;            /* the connection's send order of this transmission: a hole is
 	                         * a loss only if sent before the packet that triggered the SACK */
 };
-#define MRC_PSNF_VALID 1
-#define MRC_PSNF_LOST  2
+#define MRC_PSNF_VALID  1
+#define MRC_PSNF_LOST   2
+#define MRC_PSNF_RESENT 4   /* resent before the loss rule judged it: the entry is still the
+                             * first send's; a SACK it triggers is dated by its reflection */
 
 struct mrc_srv6_tmpl {
 	__u8  block[4];                 /* 32-bit uSID block */
