@@ -50,7 +50,7 @@ SIOCGIFMTU = 0x8921
 # IPv6 40 + UDP 8 + BTH 12 + METH 4 + RETH 16 + ImmDt 4 + ICRC 4 (MTU counts from IPv6).
 DATA_OVERHEAD = 88
 PAYLOAD_ALIGN = 64          # the default payload is rounded down to this
-TSETH_LEN = 4               # more per packet with timestamps (the default; 2: none)
+TSETH_LEN = 4               # more per packet with timestamps=1
 
 
 class TransportError(RuntimeError):
@@ -377,8 +377,8 @@ class Endpoint:
     per data packet (default: the largest app_dev's MTU allows, see default_payload).
     Keyword options (engine.h struct mrc_eng_opts, 0 = default): ack_every,
     ack_delay_us, rto_min_us, rto_max_us, retry_limit, loss_reorder, window, frames,
-    ring, zero_copy, timestamps (1, the default: TSETH on data, reflected in SACKs, which
-    the datapath's loss rule dates packets by; 2: none), dscp_*, and the
+    ring, zero_copy, timestamps (1: TSETH on data, reflected in SACKs, which the
+    datapath's time-based loss rule dates packets by; default none), dscp_*, and the
     NSCC window cc_init_cwnd, cc_min_cwnd,
     cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md.
     publish: every this many seconds, write the QPs' counters for other processes
@@ -412,7 +412,7 @@ class Endpoint:
             inst.close()
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
-        overhead = DATA_OVERHEAD + (0 if cc_params.get("timestamps") == 2 else TSETH_LEN)
+        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") == 1 else 0)
         if mtu is None:
             mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD)
         if mtu <= 0 or mtu % 4 or mtu + overhead > dev_mtu:

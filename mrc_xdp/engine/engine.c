@@ -876,7 +876,7 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
 	else
 		opcode = MRC_OP_WRITE_MIDDLE;
-	int ts_on = e->o.timestamps == 1;
+	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
 	uint64_t now = now_ns();
 
 	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
@@ -1777,7 +1777,6 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(window, MRC_PSN_RING / 2);   /* the datapath counts feedback for < MRC_PSN_RING in flight */
 	DEF(cc_init_cwnd, 64 * o->payload);
 	DEF(cc_pace, 1);
-	DEF(timestamps, 1);   /* TSETH on: the datapath's time-based loss rule needs it */
 	/* paced, the window may be below one packet (it sets the rate); unpaced, one packet
 	 * (spraying rotates EVs per packet: even 1 packet in flight uses every path) */
 	DEF(cc_min_cwnd, o->cc_pace == 1 ? o->payload / 16 : o->payload);
