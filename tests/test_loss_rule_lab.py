@@ -6,8 +6,9 @@ TSETH timestamps in the PSN ring: bpf/mrc_datapath.c sack_losses).  Reordering o
 PSNs is normal with four paths and busy CPUs; a PSN-distance rule took it for loss.
 
 One lab per mode (srv6, ecmp); h0 -> h2 transfers over the lab's connection (4 paths:
-2 planes x 2 T1s), no health daemon (nothing brings a retired EV back, so the EV table
-after the transfer shows every retirement of the run):
+2 planes x 2 T1s) by engines that stamp TSETH (timestamps=1), no health daemon (nothing
+brings a retired EV back, so the EV table after the transfer shows every retirement of
+the run):
 
 - a T1 blackholed midway with both CPUs busy (a bounded busy loop per core for the
   fault's duration): the EVs retired are those that cross the T1, at most one more;
@@ -39,8 +40,8 @@ def lab(request):
         st = fabric.up(topology.load(mode=request.param), prefix=prefix, hosts_hook=hosts.fabric_hook)
         topo = fabric.topology_of(st)
         lm = lmod.LinkModel.open(st["pin_dir"])
-        for h in ("h0", "h2"):
-            eps[h] = transport.Endpoint(prefix + h)
+        for h in ("h0", "h2"):      # TSETH on data: the time-based rule judges the losses
+            eps[h] = transport.Endpoint(prefix + h, timestamps=1)
         yield {"prefix": prefix, "topo": topo, "lm": lm, "eps": eps, "mode": request.param}
         lm.close()
     finally:
