@@ -3,8 +3,9 @@
  * ev_state.h - the EV state machine, in one place.
  *
  *   GOOD --SACK M=SKIP_ONCE / NACK TRIMMED--> SKIP --one rotation--> GOOD
- *   GOOD|SKIP --SACK M=ALWAYS_SKIP / loss--> ASSUMED_BAD, and the active slot takes a
- *        GOOD backup EV of the SAME plane (planes stay equally loaded)
+ *   GOOD|SKIP --SACK M=ALWAYS_SKIP / loss (time-based, or the PSN-distance fallback)-->
+ *        ASSUMED_BAD, and the active slot takes a GOOD backup EV of the SAME plane
+ *        (planes stay equally loaded)
  *   any --operator deny--> DENIED (user space; never auto-recovers)
  *   ASSUMED_BAD|DENIED --operator allow / probes--> GOOD (user space)
  *   (user space changes go through mrc_evop: under the swap lock, with an event)
@@ -126,6 +127,14 @@ static __always_inline void ev_retire(__u32 cid, struct mrc_conn *c, __u32 slot,
 		return;
 	ev_set(cid, slot, e, MRC_EV_ASSUMED_BAD, reason);
 	ctr_inc(MRC_C_ING_FB_BAD);
+	/* a constant index per branch: a computed one would be a constant map key the
+	 * verifier tracks precisely, and every reason a state of its own */
+	if (reason == MRC_R_LOSS)
+		ctr_inc(MRC_C_RETIRE_LOSS);
+	else if (reason == MRC_R_LOSS_PSN)
+		ctr_inc(MRC_C_RETIRE_LOSS_PSN);
+	else
+		ctr_inc(MRC_C_RETIRE_ALWAYS);
 	if (slot >= MRC_EV_ACTIVE_MAX)
 		return;
 	r = ev_replace(cid, c, slot);

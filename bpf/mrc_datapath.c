@@ -113,7 +113,7 @@ int mrc_spray(struct xdp_md *ctx)
 	struct udphdr *udp;
 	void *data, *data_end;
 	__u32 reason, cid, slot, plane, k;
-	__u16 old_sport, new_sport;
+	__u16 old_sport, new_sport, ts = 0;
 	__u8 tc;
 	int rc;
 
@@ -131,6 +131,14 @@ int mrc_spray(struct xdp_md *ctx)
 	if (conn_find(p.daddr, p.dqpn, MRC_DIR_TX, &cid, &c)) {
 		ctr_inc(MRC_C_SPRAY_NO_CONN);
 		return XDP_PASS;
+	}
+	/* The engine's TSETH tx timestamp (TS flag) dates the packet for the loss rule:
+	 * read here, before any rewrite moves the headers; no clock read in spray. */
+	if (p.b8 & MRC_BTH_B8_TS) {
+		__u8 *m = mrc_ext(ctx, &p, MRC_METH_LEN + MRC_TSETH_LEN);
+
+		if (m)
+			ts = ((__u16)m[MRC_METH_LEN] << 8) | m[MRC_METH_LEN + 1];
 	}
 
 	if (p.opcode == MRC_OP_PROBE_REQ) {
@@ -216,12 +224,23 @@ int mrc_spray(struct xdp_md *ctx)
 
 		k = cid * MRC_PSN_RING + (p.psn & (MRC_PSN_RING - 1));
 		pe = mrc_psn.lookup(&k);
+		/* A retransmission of a stamped packet not yet judged (no loss attributed, no
+		 * NACK) leaves the entry as it is: the loss rule judges the first transmission
+		 * by its own send time, whenever the engine chose to resend it (its rule is
+		 * the PSN distance: under reordering it resends packets that were not lost). */
+		if (pe && (p.b8 & MRC_BTH_B8_RTX) && pe->psn == p.psn &&
+		    (pe->flags & ~MRC_PSNF_RESENT) == MRC_PSNF_VALID && pe->ts && ts) {
+			pe->flags |= MRC_PSNF_RESENT;
+			pe = 0;
+		}
 		if (pe) {
 			pe->psn = p.psn;
 			pe->ev = e->ev;
 			pe->flags = MRC_PSNF_VALID;
-			/* an atomic counter, not bpf_ktime_get_ns(): the clock read costs more
-			 * than the rest of spray on some hosts */
+			pe->ts = ts;                    /* when: the engine's stamp (0: none) */
+			/* send order, an atomic counter rather than bpf_ktime_get_ns() (the
+			 * clock read costs more than the rest of spray on some hosts): the
+			 * PSN-distance fallback's "sent before the trigger" */
 			pe->txseq = __sync_fetch_and_add(&c->txseq, 1);
 			if (!(p.b8 & MRC_BTH_B8_RTX))   /* the sent window's upper edge (ingress) */
 				c->psn_hi = p.psn;
@@ -287,26 +306,104 @@ static __always_inline int psn_in_window(__u32 hi, __u32 psn)
 }
 
 /*
- * Holes in the SACK bitmap at least loss_reorder PSNs below the newest SACKed PSN are
- * losses; the PSN ring names the EV that carried each.  Each send is counted once, and
- * (RACK) only if it was sent before the packet that triggered this SACK (ack_seq: its
- * send order, from its PSN ring entry): a hole whose retransmission is still in flight
- * is not blamed on the retransmission's EV.  hb: the bitmap's highest set bit.
+ * Date the packet that triggered this SACK (its PSN ring entry, ape) and keep the
+ * connection's reorder window.  The trigger was sent at the ring's timestamp, or at the
+ * reflected one (CC_STATE) when that is earlier: an earlier transmission of the PSN
+ * arrived (a reflection only ever dates the trigger earlier, so a forged one cannot
+ * make a packet look lost, except for a PSN resent before it was judged, whose entry
+ * still holds the first send).  The reflection is also an RTT sample (bpf_ktime_get_ns() is
+ * the engine's clock): the window is min RTT / loss_window_div + 4 x RTT spread, at
+ * most the mean RTT (min RTT + spread), never below loss_window_us.
+ * Returns the trigger's send time, 0 when it was sent without a timestamp.
+ */
+static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *cfg,
+					struct mrc_psn_ent *ape, __u32 refl)
+{
+	__u32 trig = ape->ts, rtt, mn, spread, w;
+	__u64 now;
+
+	if (!trig)
+		return 0;
+	if (!refl)
+		return trig;
+	/* resent unjudged (the ring still holds the first send): the reflection says which
+	 * send triggered the SACK */
+	if ((__s16)(trig - refl) > 0 || (ape->flags & MRC_PSNF_RESENT))
+		trig = refl;
+	now = bpf_ktime_get_ns();
+	rtt = ((__u32)(now / MRC_TS_UNIT_NS) - refl) & 0xFFFF;
+	if (rtt >= MRC_TS_WINDOW_MAX)
+		return trig;                    /* not a sample of this clock */
+	ctr_inc(MRC_C_ING_RTT);
+	mn = c->min_rtt;
+	if (!mn || rtt < mn || now - c->min_rtt_ns > MRC_MIN_RTT_WLEN_NS) {
+		mn = rtt ? rtt : 1;
+		c->min_rtt = mn;
+		c->min_rtt_ns = now;
+	}
+	/* the mean excess of RTT samples over the minimum (gain 1/8, as TCP's srtt): the
+	 * queueing and scheduling delay that reorders paths.  Four of it, as TCP's RTO
+	 * allows four mean deviations: a window of a few RTTs at most, so a loss is still
+	 * found within a small multiple of the RTT */
+	spread = c->rtt_spread;
+	spread = spread - (spread >> 3) + ((rtt - mn) >> 3);
+	c->rtt_spread = spread;
+	w = 4 * spread + (cfg->loss_window_div ? mn / cfg->loss_window_div : 0);
+	/* at most the mean RTT (RACK bounds its window by SRTT): the engine resends a hole
+	 * about an RTT after it is reported, and a hole filled before the window ran out
+	 * is never judged, so a longer window would never find a loss at all */
+	if (w > mn + spread)
+		w = mn + spread;
+	if (w < cfg->loss_window_us)
+		w = cfg->loss_window_us;
+	if (w >= MRC_TS_WINDOW_MAX)
+		w = MRC_TS_WINDOW_MAX - 1;
+	c->reo_wnd = w;
+	return trig;
+}
+
+/*
+ * Holes in the SACK bitmap (below its highest set bit, hb) that are losses; the PSN
+ * ring names the EV that carried each, and each send is counted once.
+ *  - time-based (RACK), for packets the engine stamped (TSETH): the missing packet was
+ *    sent more than the reorder window before the packet that triggered the SACK
+ *    (trig_ts).  Reordering, however many PSNs deep, is no loss; a lost packet is
+ *    found as soon as a packet sent one window after it is SACKed.
+ *  - the PSN-distance fallback, for packets sent without a timestamp: the hole lies at
+ *    least loss_reorder PSNs below the newest SACKed PSN and was sent (ack_seq: send
+ *    order) before the triggering packet.
+ * A hole whose retransmission is still in flight (sent after the trigger) is not blamed
+ * on the retransmission's EV either way.  always: the SACK's M=ALWAYS_SKIP retires the
+ * EV it echoes (ev_echo) in the same pass (one inlined copy of ev_retire, whose backup
+ * scan is long, for both).
  */
 static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mrc_config *cfg,
-					__u32 cack, __u32 base, __u64 bitmap, __u32 hb, __u32 ack_seq)
+					__u32 cack, __u32 base, __u64 bitmap, __u32 hb, __u32 ack_seq,
+					__u32 trig_ts, __u32 ev_echo, int always)
 {
-	__u32 lost_ev[MRC_LOSS_BATCH] = {};
-	__u32 nlost = 0, i, k, psn, slot, *slotp;
+	__u32 lost_ev[MRC_LOSS_BATCH * 2] = {};
+	__u32 nlost = 0, n, wnd = c->reo_wnd, tmask, i, k, psn, slot, d, zero = 0, *slotp;
 	struct mrc_evidx_key key = { .conn = cid };
+	struct mrc_ccache *cc = mrc_ccache.lookup(&zero);
 	struct mrc_psn_ent *pe;
 	struct mrc_ev_ctr *ec;
 	struct mrc_ev *e;
+	__u8 why;
 
-	if (!bitmap)
+	if (!cc)
 		return;
+	if (wnd < cfg->loss_window_us)      /* no RTT sample yet: the floor */
+		wnd = cfg->loss_window_us;
+	/* a mask, not a test of trig_ts in the loop: clang would unswitch the loop (two
+	 * copies of it) on a loop-invariant test */
+	tmask = trig_ts ? 0xFFFF : 0;
+	mrc_barrier_var(tmask);
+#pragma clang loop unroll(disable)
 	for (i = 0; i < 64; i++) {
-		if (i + cfg->loss_reorder > hb || nlost >= MRC_LOSS_BATCH)
+		/* no set bit from i up: past the highest (hb), no holes left.  (Not i >= hb:
+		 * the verifier would narrow hb's range in every iteration, states that do
+		 * not prune.) */
+		if (!(bitmap >> i) || nlost >= MRC_LOSS_BATCH)
 			break;
 		if (bitmap & (1ULL << i))
 			continue;
@@ -315,21 +412,38 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 			continue;
 		k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
 		pe = mrc_psn.lookup(&k);
-		if (!pe || pe->psn != psn || pe->flags != MRC_PSNF_VALID)
+		if (!pe || pe->psn != psn || (pe->flags & ~MRC_PSNF_RESENT) != MRC_PSNF_VALID)
 			continue;
-		if ((__s32)(pe->txseq - (__u32)ack_seq) > 0)
-			continue;       /* (re)sent after the packet being acked: in flight */
+		if (pe->ts & tmask) {
+			d = (trig_ts - pe->ts) & 0xFFFF;
+			if (d <= wnd || d >= 0x8000)
+				continue;       /* within the window, or sent after the trigger */
+			why = MRC_R_LOSS;
+		} else {
+			if (i + cfg->loss_reorder > hb)
+				continue;
+			if ((__s32)(pe->txseq - (__u32)ack_seq) > 0)
+				continue;       /* (re)sent after the packet being acked: in flight */
+			why = MRC_R_LOSS_PSN;
+		}
 		pe->flags |= MRC_PSNF_LOST;
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
+		cc->why[nlost & (MRC_LOSS_BATCH - 1)] = why;
 		nlost++;
+	}
+	n = nlost;
+	if (always) {
+		lost_ev[n & (2 * MRC_LOSS_BATCH - 1)] = ev_echo;
+		cc->why[n & (2 * MRC_LOSS_BATCH - 1)] = MRC_R_SACK_ALWAYS;
+		n++;
 	}
 	/* Count every loss; every EV over the threshold is retired now (up to
 	 * MRC_LOSS_BATCH per SACK: one SACK can report losses on several paths). */
 #pragma clang loop unroll(disable)
-	for (i = 0; i < MRC_LOSS_BATCH; i++) {
-		if (i >= nlost)
+	for (i = 0; i < MRC_LOSS_BATCH + 1; i++) {
+		if (i >= n)
 			break;
-		key.ev = lost_ev[i];
+		key.ev = lost_ev[i & (2 * MRC_LOSS_BATCH - 1)];
 		slotp = mrc_evidx.lookup(&key);
 		if (!slotp)
 			continue;
@@ -337,13 +451,19 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 		e = ev_at(cid, slot);
 		if (!e)
 			continue;
-		ctr_inc(MRC_C_ING_LOSS);
-		ec = evctr_of(cid, e);
-		if (ec)
-			ec->loss++;
-		e->losses++;
-		if (e->losses >= cfg->loss_thresh)
-			ev_retire(cid, c, slot, e, MRC_R_LOSS);   /* only a GOOD or SKIP EV */
+		why = cc->why[i & (2 * MRC_LOSS_BATCH - 1)];
+		if (why != MRC_R_SACK_ALWAYS) {
+			ctr_inc(MRC_C_ING_LOSS);
+			if (why == MRC_R_LOSS_PSN)
+				ctr_inc(MRC_C_ING_LOSS_PSN);
+			ec = evctr_of(cid, e);
+			if (ec)
+				ec->loss++;
+			e->losses++;
+			if (e->losses < cfg->loss_thresh)
+				continue;
+		}
+		ev_retire(cid, c, slot, e, why);   /* only a GOOD or SKIP EV */
 	}
 }
 
@@ -362,7 +482,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 		ctr_inc(MRC_C_ING_FB_NO_CONN);
 		return;
 	}
-	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN : MRC_NETH_LEN);
+	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN + MRC_CCSTATE_LEN : MRC_NETH_LEN);
 	if (!h)
 		return;
 	/* Outside the sent window: counted, nothing else (no EV change, no loss). */
@@ -382,7 +502,9 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 			return;
 		}
 		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
-		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq);
+		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq,
+			    sack_clock(c, cfg, ape, ((__u32)h[MRC_SETH_LEN] << 8) | h[MRC_SETH_LEN + 1]),
+			    get32(h + 4), ((h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK) == MRC_M_ALWAYS_SKIP);
 	} else {
 		ape = c->txseq ? psn_sent(cid, hi, get24(h + 13)) : 0;
 		if (!ape) {
@@ -414,9 +536,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 				ec->ecn++;
 			if (ev_skip(cid, slot, e, MRC_R_SACK_SKIP))
 				ctr_inc(MRC_C_ING_FB_SKIP);
-		} else if (m == MRC_M_ALWAYS_SKIP) {
-			ev_retire(cid, c, slot, e, MRC_R_SACK_ALWAYS);
-		}
+		}                       /* M=ALWAYS_SKIP: retired in sack_losses() */
 	} else {
 		__u8 why = h[2];
 
@@ -639,6 +759,14 @@ int mrc_evop(struct xdp_md *ctx)
 		e->losses = 0;
 		ev_set(cid, slot, e, op->state, op->reason);
 		ctr_inc(MRC_C_EVOP);
+		/* retirements counted by why, as the datapath's own (ev_retire) */
+		if ((op->old_state == MRC_EV_GOOD || op->old_state == MRC_EV_SKIP) &&
+		    (op->state == MRC_EV_ASSUMED_BAD || op->state == MRC_EV_DENIED)) {
+			if (op->reason == MRC_R_PROBE_FAIL)
+				ctr_inc(MRC_C_RETIRE_PROBE);
+			else if (op->reason == MRC_R_OPERATOR)
+				ctr_inc(MRC_C_RETIRE_OPERATOR);
+		}
 		rc = MRC_EVOP_OK;
 	}
 	c->lock = 0;

@@ -21,7 +21,7 @@
 #define MRC_USID_MAX         6      /* uSIDs in one F3216 address */
 #define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
 #define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
-#define MRC_LOSS_BATCH       4      /* losses attributed per SACK at most */
+#define MRC_LOSS_BATCH       2      /* losses attributed per SACK at most */
 #define MRC_FB_WINDOW        32768  /* feedback: cack and bitmap base at most this far behind
                                      * the newest PSN sent + 1 (the reach of SETH's offsets) */
 #define MRC_BACKUP_PER_PLANE_MAX 16 /* backup EVs per plane (bounds the replacement scan) */
@@ -51,6 +51,13 @@
 #define MRC_BTH_B8_ACKREQ    0x80   /* BTH byte 8 bit 7 */
 #define MRC_BTH_B8_RTX       0x20   /* (?) BTH byte 8 bit 5: retransmission */
 #define MRC_BTH_B8_TS        0x10   /* (?) BTH byte 8 bit 4: TSETH present */
+/* TSETH's tx timestamp (16 bits, echoed in the SACK's CC_STATE): CLOCK_MONOTONIC in units
+ * of MRC_TS_UNIT_NS, truncated (wraps every 65.5 ms; 0 = no timestamp, the engine sends 1
+ * instead).  The engine stamps with clock_gettime(CLOCK_MONOTONIC), ingress reads the same
+ * clock (bpf_ktime_get_ns), so RTTs and reorder windows up to 32 ms compare correctly. */
+#define MRC_TS_UNIT_NS       1000
+#define MRC_TS_WINDOW_MAX    30000  /* reorder windows and RTT samples, in TS units, below this */
+#define MRC_MIN_RTT_WLEN_NS  10000000000  /* min RTT: the least sample of (about) 10 s */
 #define MRC_SETH_M_SHIFT     5      /* SETH byte 1 bits 6-5 */
 #define MRC_SETH_M_MASK      3
 #define MRC_QPN_PROBE        2      /* connectionless EV probes */
@@ -113,7 +120,8 @@ enum mrc_ev_reason {
 	MRC_R_NACK_TRIM   = 2,   /* NACK TRIMMED (TRIMMED_LASTHOP is counted only: last-hop
 	                          * congestion hits every EV, skipping one cannot help) */
 	MRC_R_SACK_ALWAYS = 3,   /* SACK M=ALWAYS_SKIP */
-	MRC_R_LOSS        = 4,   /* SACK bitmap hole older than loss_reorder */
+	MRC_R_LOSS        = 4,   /* SACK bitmap hole sent more than the reorder window before
+	                          * the packet whose SACK reports it (time-based, TSETH) */
 	MRC_R_SKIP_DONE   = 5,   /* SKIP consumed by one rotation */
 	MRC_R_REPLACED    = 6,   /* backup EV promoted into an active slot */
 	MRC_R_OPERATOR    = 7,   /* deny / allow from user space */
@@ -121,6 +129,8 @@ enum mrc_ev_reason {
 	MRC_R_LINK_DOWN   = 9,   /* the plane NIC went down (daemon) */
 	MRC_R_LINK_UP     = 10,  /* the plane NIC came back up (daemon) */
 	MRC_R_PROBE_FAIL  = 11,  /* background probes of a GOOD EV went unanswered (daemon) */
+	MRC_R_LOSS_PSN    = 12,  /* SACK bitmap hole loss_reorder PSNs below the newest SACKed
+	                          * PSN: the fallback rule for packets sent without TSETH */
 };
 
 /* Operator / daemon EV change, run by user space through BPF_PROG_TEST_RUN of mrc_evop
@@ -187,7 +197,8 @@ struct mrc_config {
 	__u32 nplanes;
 	__u32 udp_port;         /* 4791 */
 	__u32 flags;            /* MRC_CF_* */
-	__u32 loss_reorder;     /* a SACK hole this many PSNs below the newest SACKed PSN is a loss */
+	__u32 loss_reorder;     /* fallback (packets without TSETH): a SACK hole this many PSNs
+	                         * below the newest SACKed PSN is a loss */
 	__u32 loss_thresh;      /* losses on one EV before ASSUMED_BAD */
 	__u8  local_addr[16];   /* this host's MRC address (inner destination of our traffic) */
 	__u8  app_mac[6];       /* mrc0 (engine side): destination MAC of frames to the engine */
@@ -198,6 +209,14 @@ struct mrc_config {
 	__u8  hop_limit;        /* outer IPv6 hop limit (SRv6) */
 	__u32 probe_rate;       /* probe answers per second at most (token bucket); 0 = none */
 	__u32 probe_burst;      /* bucket depth: answers in one burst */
+	/* Time-based loss (RACK): a SACK hole is a loss when the missing packet was sent more
+	 * than the reorder window before the packet whose SACK reports it.  The window is
+	 * max(loss_window_us, min(min RTT / loss_window_div + 4 x RTT spread, mean RTT))
+	 * (RACK: min RTT / 4, at most SRTT; the spread, the mean of RTT samples above the
+	 * minimum, is the reordering queues and busy CPUs make between paths), per
+	 * connection (mrc_conn.reo_wnd). */
+	__u32 loss_window_us;   /* floor, MRC_TS_UNIT_NS units (us), below MRC_TS_WINDOW_MAX */
+	__u32 loss_window_div;  /* min RTT divisor; 0: the floor alone */
 };
 
 struct mrc_plane {
@@ -237,7 +256,13 @@ struct mrc_conn {
 	__u64 txseq;            /* data packets sent (atomic): send order for loss attribution */
 	__u32 psn_hi;           /* PSN of the newest data sent (not retransmissions): the upper
 	                         * edge of the sent window that feedback must fall in */
-	__u32 pad;
+	__u32 reo_wnd;          /* reorder window of the time-based loss rule, TS units (ingress) */
+	__u32 min_rtt;          /* least RTT sample (TS units) from reflected TSETH timestamps;
+	                         * 0 = none yet */
+	__u32 rtt_spread;       /* how far RTT samples lie above min_rtt: the mean of
+	                         * (rtt - min_rtt), gain 1/8 per sample (TS units) */
+	__u64 min_rtt_ns;       /* bpf_ktime_get_ns() when min_rtt was taken (it ages out after
+	                         * MRC_MIN_RTT_WLEN_NS) */
 };
 
 struct mrc_ev {
@@ -295,20 +320,26 @@ struct mrc_rot {
 	struct mrc_rot_plane p[MRC_MAX_PLANES];
 };
 
-/* Per CPU: the connection of the previous packet, per direction (id + 1; 0 = none). */
+/* Per CPU: the connection of the previous packet, per direction (id + 1; 0 = none); and
+ * ingress scratch: why each EV a SACK retires is retired (enum mrc_ev_reason), kept in
+ * map memory so the verifier walks the retirement once, not once per reason constant. */
 struct mrc_ccache {
 	__u32 cid1[2];
+	__u8  why[8];
 };
 
 struct mrc_psn_ent {
 	__u32 psn;
 	__u32 ev;
-	__u32 flags;            /* MRC_PSNF_* */
+	__u16 flags;            /* MRC_PSNF_* */
+	__u16 ts;               /* TSETH tx timestamp of this transmission; 0 = none (fallback) */
 	__u32 txseq;            /* the connection's send order of this transmission: a hole is
 	                         * a loss only if sent before the packet that triggered the SACK */
 };
-#define MRC_PSNF_VALID 1
-#define MRC_PSNF_LOST  2
+#define MRC_PSNF_VALID  1
+#define MRC_PSNF_LOST   2
+#define MRC_PSNF_RESENT 4   /* resent before the loss rule judged it: the entry is still the
+                             * first send's; a SACK it triggers is dated by its reflection */
 
 struct mrc_srv6_tmpl {
 	__u8  block[4];                 /* 32-bit uSID block */
@@ -426,6 +457,14 @@ enum mrc_ctr {
 	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
 	MRC_C_SPRAY_LAST_RESORT,    /* no GOOD EV on any plane in rotation: sent on a retired
 	                             * (ASSUMED_BAD) EV rather than dropped */
+	MRC_C_ING_LOSS_PSN,         /* losses (in ING_LOSS) found by the PSN-distance fallback */
+	MRC_C_ING_RTT,              /* RTT samples from reflected TSETH timestamps */
+	/* EVs retired (GOOD/SKIP -> ASSUMED_BAD or DENIED), by why: */
+	MRC_C_RETIRE_LOSS,          /* time-based loss (MRC_R_LOSS) */
+	MRC_C_RETIRE_LOSS_PSN,      /* PSN-distance fallback (MRC_R_LOSS_PSN) */
+	MRC_C_RETIRE_ALWAYS,        /* SACK M=ALWAYS_SKIP */
+	MRC_C_RETIRE_PROBE,         /* user space, MRC_R_PROBE_FAIL: the daemon's probes */
+	MRC_C_RETIRE_OPERATOR,      /* user space, MRC_R_OPERATOR: deny */
 	MRC_C_MAX,
 };
 

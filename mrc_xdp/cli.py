@@ -321,7 +321,11 @@ def _stats_obj(inst, prev, cur):
     for r in evs:
         planes[r["plane"]] = planes.get(r["plane"], 0) + r["tx_pkts"]
     down = inst.planes_down()
-    return {"instance": inst.name, "interval_s": round(dt, 3), "counters": ctr,
+    cfg = inst.config()
+    loss = {"window_floor_us": cfg["loss_window_us"], "window_min_rtt_div": cfg["loss_window_div"],
+            "conns": [{"conn": c["id"], "name": c["name"], "window_us": c["reo_wnd"], "min_rtt_us": c["min_rtt"],
+                       "rtt_spread_us": c["rtt_spread"]} for c in inst.connections()]}
+    return {"instance": inst.name, "interval_s": round(dt, 3), "counters": ctr, "loss_rule": loss,
             "rates": {k: round(v, 1) for k, v in rates.items() if v},
             "planes": {str(p): {"tx_pkts": n, "share": round(100.0 * n / tot, 2),
                                 "out_of_rotation": p < len(down) and down[p]} for p, n in sorted(planes.items())},
@@ -345,6 +349,12 @@ def _stats_text(s, all_counters=False):
             for k, v in ctr.items() if v or all_counters]
     print("instance %s%s" % (s["instance"], "   (rates over %.1f s)" % s["interval_s"] if s["interval_s"] else ""))
     print(table(rows, ["counter", "value", "rate"]) if rows else "(all counters zero)")
+    lr = s.get("loss_rule")
+    if lr and lr["conns"]:
+        print("\nloss rule: a SACK hole is lost when sent more than max(%d us, min(min RTT / %d + 4 x RTT spread, mean RTT)) "
+              "before the packet SACKed (PSN distance for unstamped packets)" % (
+                  lr["window_floor_us"], lr["window_min_rtt_div"]))
+        print(table(lr["conns"], ["conn", "name", "window_us", "min_rtt_us", "rtt_spread_us"]))
     if s["planes"]:
         print("\nplanes: " + "   ".join("plane %s %d pkts (%.1f%%)%s" % (
             p, v["tx_pkts"], v["share"], " OUT OF ROTATION (link down)" if v.get("out_of_rotation") else "")

@@ -50,6 +50,10 @@ from . import validate as V
 from .validate import int_in, keyname, no_unknown_keys, read_toml
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+# The time-based loss rule's reorder window floor, us (bpf/mrc_shared.h struct mrc_config):
+# a SACK hole is a loss when the packet was sent more than max(this, min(min RTT /
+# loss_window_div + 4 x RTT spread, mean RTT)) before the packet whose SACK reports it.
+LOSS_WINDOW_US = 200
 
 
 class ConfigError(ValueError):
@@ -184,6 +188,8 @@ class HostConfig:
     udp_port: int = const("MRC_UDP_PORT_DEFAULT")
     loss_reorder: int = 32
     loss_thresh: int = 1
+    loss_window_us: int = LOSS_WINDOW_US
+    loss_window_div: int = 4
     hop_limit: int = 64
     dscp_data: int = 4
     dscp_ctrl: int = 46
@@ -205,7 +211,8 @@ class HostConfig:
         if not isinstance(d, dict):
             raise ConfigError("config: expected a table of keys, got %s" % V.show(d))
         top = {"instance", "mode", "local_addr", "app_dev", "fabric_dev", "udp_port",
-               "loss_reorder", "loss_thresh", "hop_limit", "dscp", "planes", "connections",
+               "loss_reorder", "loss_thresh", "loss_window_us", "loss_window_div", "hop_limit",
+               "dscp", "planes", "connections",
                "srv6_templates"}
         _unknown(d, top, "")
         if "local_addr" not in d:
@@ -222,6 +229,9 @@ class HostConfig:
         cfg.udp_port = _int(d.get("udp_port", cfg.udp_port), "udp_port", 1, 65535)
         cfg.loss_reorder = _int(d.get("loss_reorder", 32), "loss_reorder", 1, 63)
         cfg.loss_thresh = _int(d.get("loss_thresh", 1), "loss_thresh", 1, 1 << 20)
+        cfg.loss_window_us = _int(d.get("loss_window_us", LOSS_WINDOW_US), "loss_window_us", 0,
+                                  const("MRC_TS_WINDOW_MAX") - 1)
+        cfg.loss_window_div = _int(d.get("loss_window_div", 4), "loss_window_div", 0, 1024)
         cfg.hop_limit = _int(d.get("hop_limit", 64), "hop_limit", 1, 255)
         dscp = V.table(d.get("dscp", {}), "dscp", ConfigError)
         _unknown(dscp, {"data", "ctrl", "rtx", "rewrite"}, "dscp")

@@ -127,6 +127,8 @@ def write_all(m: dict, cfg: HostConfig, dev: DevInfo, icrc_rows: list[list[int]]
     c.flags = (const("MRC_CF_DSCP_REWRITE") if cfg.dscp_rewrite else 0) | const("MRC_CF_SET_ECT")
     c.loss_reorder = cfg.loss_reorder
     c.loss_thresh = cfg.loss_thresh
+    c.loss_window_us = cfg.loss_window_us
+    c.loss_window_div = cfg.loss_window_div
     ffi.memmove(c.local_addr, _addr(cfg.local_addr), 16)
     ffi.memmove(c.app_mac, _mac(dev.app_mac), 6)
     ffi.memmove(c.fab_mac, _mac(dev.fab_mac), 6)
@@ -455,6 +457,11 @@ class Instance:
             raise ValueError("probe rate and burst: 0 .. 2^32-1, got %r, %r" % (rate, burst))
         self.update_config(probe_rate=rate, probe_burst=burst)
         return self.probe_limit()
+
+    def config(self) -> dict:
+        """The datapath's live struct mrc_config, by field."""
+        c = ffi.cast("struct mrc_config *", ffi.from_buffer(self.map("mrc_cfg").lookup(0)))
+        return as_dict(c)
 
     def update_config(self, **changes) -> dict:
         """Change run-time fields of the datapath's mrc_config (e.g. loss_thresh,

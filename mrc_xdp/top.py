@@ -1,6 +1,8 @@
 """`mrc-xdp top`: a live terminal view of one datapath instance, in the style of htop.
 
-Per-connection EV table (state, packet rate, probe RTT, last reason), plane balance
+Per-connection EV table (state, packet rate, probe RTT, last reason), EVs retired by why
+(time-based loss, the PSN-distance fallback, ALWAYS_SKIP, probes, the operator) with each
+connection's loss reorder window, plane balance
 (share of the packets sprayed per plane over the last refresh; a plane the health
 daemon took out of rotation because its NIC is down says DOWN) and the recent EV
 events.  Probe RTTs and events come from the health daemon when it runs (events over
@@ -43,6 +45,8 @@ class Top:
         self.rows: list[dict] = []
         self.planes: list[tuple[int, int]] = []
         self.down: list[bool] = []
+        self.retired: str = ""
+        self.windows: list[tuple] = []
         self.msg = ""
         self.daemon: dict | None = None
         self.evsock = None
@@ -108,6 +112,9 @@ class Top:
             r["rtt"] = p.get("srtt") if p else None
         self.prev, self.prev_t = cur, now
         self.down = self.inst.planes_down()
+        self.retired = retire_summary(self.inst.counters())
+        self.windows = [(c["name"] or str(c["id"]), c["reo_wnd"], c["min_rtt"]) for c in self.inst.connections()
+                        if self.conn_filter in (None, c["id"])]
         for p in range(len(self.down)):
             plane_pk.setdefault(p, 0)
         self.planes = sorted(plane_pk.items())
@@ -175,6 +182,10 @@ class Top:
         counts = collections.Counter(r["state"] for r in self.rows)
         bal.append("   EVs: " + "  ".join("%s %d" % (s, counts[s]) for s in ("GOOD", "SKIP", "ASSUMED_BAD", "DENIED")
                                          if counts[s]))
+        why = Text("retired by: %s" % (self.retired or "none"))
+        if self.windows:
+            why.append("   loss window: " + "  ".join("%s %d us (min RTT %s)" % (
+                n, w, "%d us" % m if m else "-") for n, w, m in self.windows))
         t = Table(box=None, pad_edge=False, header_style="bold reverse", expand=False)
         for c in ("CONN", "EV", "PLANE", "T1", "ROLE", "STATE", "PKT/S", "RTT(us)", "LOSS", "REASON"):
             t.add_column(c, justify="right" if c in ("PKT/S", "RTT(us)", "LOSS", "PLANE", "T1") else "left")
@@ -191,7 +202,7 @@ class Top:
             lines.append(Text(health.format_event(e), no_wrap=True, overflow="ellipsis"))
         keys = Text(self.msg + "   " if self.msg else "", style="bold", no_wrap=True, overflow="ellipsis")
         keys.append("keys: s sort  c connection  j/k move  d deny  a allow  q quit", style="dim")
-        return Group(head, keys, bal, t, *lines)
+        return Group(head, keys, bal, why, t, *lines)
 
     def close(self) -> None:
         if self.rb is not None:
@@ -199,6 +210,16 @@ class Top:
         if self.evsock is not None:
             self.evsock.close()
         self.inst.close()
+
+
+# Retirement counters (enum mrc_ctr MRC_C_RETIRE_*) by the words top shows for them.
+RETIRE_WHY = [("retire_loss", "loss (time)"), ("retire_loss_psn", "loss (PSN fallback)"),
+              ("retire_always", "ALWAYS_SKIP"), ("retire_probe", "probes"), ("retire_operator", "operator")]
+
+
+def retire_summary(counters: dict) -> str:
+    """EVs retired so far by why, e.g. "loss (time) 6  probes 1"; "" when none."""
+    return "  ".join("%s %d" % (w, counters[k]) for k, w in RETIRE_WHY if counters.get(k))
 
 
 def _keys(fd: int, timeout: float) -> list[str]:

@@ -403,7 +403,8 @@ class Endpoint:
     per data packet (default: the largest app_dev's MTU allows, see default_payload).
     Keyword options (engine.h struct mrc_eng_opts, 0 = default): ack_every,
     ack_delay_us, rto_min_us, rto_max_us, retry_limit, loss_reorder, window, frames,
-    ring, zero_copy, timestamps (TSETH on data, reflected in SACKs), dscp_*, and the
+    ring, zero_copy, timestamps (1: TSETH on data, reflected in SACKs, which the
+    datapath's time-based loss rule dates packets by; default none), dscp_*, and the
     NSCC window cc_init_cwnd, cc_min_cwnd,
     cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md.
     publish: every this many seconds, write the QPs' counters for other processes
@@ -439,7 +440,7 @@ class Endpoint:
         conns.reap(instance)          # connections of endpoints that died without closing
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
-        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") else 0)
+        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") == 1 else 0)
         if mtu is None:
             mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD)
         if mtu <= 0 or mtu % 4 or mtu + overhead > dev_mtu:

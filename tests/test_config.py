@@ -39,3 +39,19 @@ def test_explicit_evs_are_validated(kw, msg):
     with pytest.raises(ConfigError) as e:
         HostConfig.from_dict(conf(**kw))
     assert msg in str(e.value)
+
+
+def test_loss_window_knobs():
+    """The time-based loss rule's reorder window: floor (us) and min-RTT divisor, with
+    defaults, validated to one-line errors."""
+    from mrc_xdp.config import LOSS_WINDOW_US
+    from mrc_xdp.shared import const
+    c = HostConfig.from_dict(conf())
+    assert (c.loss_window_us, c.loss_window_div) == (LOSS_WINDOW_US, 4)
+    c = HostConfig.from_dict(dict(conf(), loss_window_us=50, loss_window_div=0))
+    assert (c.loss_window_us, c.loss_window_div) == (50, 0)
+    top = const("MRC_TS_WINDOW_MAX")
+    for k, v in (("loss_window_us", top), ("loss_window_us", -1), ("loss_window_div", "4")):
+        with pytest.raises(ConfigError) as e:
+            HostConfig.from_dict(dict(conf(), **{k: v}))
+        assert str(e.value).startswith(k) and "\n" not in str(e.value), str(e.value)

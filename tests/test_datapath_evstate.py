@@ -13,6 +13,7 @@ acks PSN 0 by default, so tests spray PSN 0 (_sent) before giving feedback.
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
@@ -190,7 +191,7 @@ def test_always_skip_retires_and_replaces_from_same_plane(ecmp, plane, k):
     assert tx == 4
 
     d = _fb(env, "sack", x, m=SackM.ALWAYS_SKIP)
-    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, retire_always=1)
     # the slots swapped, mrc_evidx re-pointed, per-EV counters follow the EV (cidx)
     a, b = env.ev_at(CONN_A, slot), env.ev_at(CONN_A, bslot)
     assert (a.ev, EvState(a.state), EvReason(a.reason), a.plane, a.cidx) == \
@@ -228,10 +229,10 @@ def test_backups_run_out(ecmp):
     for i, x in enumerate(bad):
         d = _fb(env, "sack", x, m=SackM.ALWAYS_SKIP)
         if i < 4:
-            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, retire_always=1)
             assert env.ev_at(CONN_A, i).ev == backups[i]
         else:
-            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1)
+            assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1, retire_always=1)
             assert env.slot_of(CONN_A, x) == 4 and env.state(CONN_A, x) == EvState.ASSUMED_BAD
     # a retired EV sitting in a backup slot is not a candidate either
     assert all(env.state(CONN_A, x) == EvState.ASSUMED_BAD for x in bad)
@@ -251,7 +252,7 @@ def test_connection_without_backups(ecmp):
     _sent(env, CONN_B)
     x = _plane_ev(env, CONN_B, 1, 0)
     d = _fb(env, "sack", x, cid=CONN_B, m=SackM.ALWAYS_SKIP)
-    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_no_backup=1, retire_always=1)
     assert env.state(CONN_B, x) == EvState.ASSUMED_BAD
     use = collections.Counter(env.spray_evs(400, CONN_B))
     assert use[x] == 0 and len(use) == 7
@@ -263,6 +264,8 @@ def test_connection_without_backups(ecmp):
 
 PSN0 = 1000
 NPSN = 32
+# a loss found by the PSN-distance rule (the frames here carry no TSETH), and the EV it retires
+PSN_LOSS = dict(ing_loss=1, ing_loss_psn=1, retire_loss_psn=1)
 
 
 def _spray_psns(env, psn0=PSN0, n=NPSN):
@@ -295,10 +298,10 @@ def test_sack_hole_loss(ecmp, below, lost):
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
     pe = env.psn_entry(CONN_A, PSN0 + hole)
     if lost:
-        assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+        assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, **PSN_LOSS)
         e = env.ev(CONN_A, x)
         assert (EvState(e.state), EvReason(e.reason), e.losses) == \
-            (EvState.ASSUMED_BAD, EvReason.LOSS, 1)
+            (EvState.ASSUMED_BAD, EvReason.LOSS_PSN, 1)
         assert env.evctr(CONN_A, x)["loss"] == 1
         assert pe.flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_LOST")
         repl = env.ev_at(CONN_A, slot)
@@ -349,14 +352,14 @@ def test_loss_threshold_two(ecmp):
                        if len(hs) >= 2 and max(hs[:2]) < NPSN - LOSS_REORDER)
     echo = _other_ev(env, x)
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([h1]))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_loss_psn=1)
     e = env.ev(CONN_A, x)
     assert (EvState(e.state), e.losses) == (EvState.GOOD, 1)
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([h1, h2]))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, **PSN_LOSS)
     e = env.ev(CONN_A, x)
     assert (EvState(e.state), EvReason(e.reason), e.losses) == \
-        (EvState.ASSUMED_BAD, EvReason.LOSS, 2)
+        (EvState.ASSUMED_BAD, EvReason.LOSS_PSN, 2)
 
 
 def test_many_holes_in_one_sack(ecmp):
@@ -375,17 +378,182 @@ def test_many_holes_in_one_sack(ecmp):
             break
     echo = _other_ev(env, *seen)
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=batch, ing_fb_bad=batch, ing_fb_replaced=batch)
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=batch, ing_loss_psn=batch, ing_fb_bad=batch,
+                     ing_fb_replaced=batch, retire_loss_psn=batch)
     lost = [carried[PSN0 + h] for h in holes]
     assert [env.state(CONN_A, x) for x in lost] == [EvState.ASSUMED_BAD] * batch + [EvState.GOOD] * 2
     assert [env.ev(CONN_A, x).losses for x in lost] == [1] * batch + [0, 0]
     assert all(env.slot_of(CONN_A, x) >= ACTIVE_MAX for x in lost[:batch]), "retired EVs left the active set"
     ev_events = [(e.ev, e.reason) for e in env.events()]
     for x in lost[:batch]:
-        assert (x, EvReason.LOSS) in ev_events
+        assert (x, EvReason.LOSS_PSN) in ev_events
     assert sum(1 for _, r in ev_events if r == EvReason.REPLACED) == batch
     d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap(holes))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=2, ing_fb_bad=2, ing_fb_replaced=2)
+    assert d == dict(ING_FB, ing_sack=1, ing_loss=2, ing_loss_psn=2, ing_fb_bad=2, ing_fb_replaced=2,
+                     retire_loss_psn=2)
+
+
+# ------------------------------------------------------------------ time-based loss (TSETH)
+# The engine stamps TSETH's tx timestamp on every data packet (BTH TS); spray keeps it in
+# the PSN ring; a hole is a loss when its packet was sent more than the reorder window
+# before the packet whose SACK reports it.  Timestamps are in MRC_TS_UNIT_NS units.
+
+TS0 = 20000
+
+
+def _spray_stamped(env, ts_of, psn0=PSN0, n=NPSN):
+    """Spray PSNs psn0.. stamped ts_of(i); PSN -> EV."""
+    out = {}
+    for i in range(n):
+        ret, o = env.run("spray", data(psn0 + i, ts=ts_of(i) & 0xFFFF))
+        assert ret == XDP_REDIRECT, xdp_name(ret)
+        out[psn0 + i] = wire.ev_of_frame(o)
+    return out
+
+
+def _conn_rt(env, cid=CONN_A):
+    from mrc_xdp import shared
+    return shared.from_bytes("struct mrc_conn", env.maps["mrc_conns"].lookup(cid))
+
+
+TIME_LOSS = dict(ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1, retire_loss=1)
+
+
+def test_time_reordering_deep_in_psns_is_no_loss(ecmp):
+    """48 PSNs sent 1 unit apart, the oldest missing: 47 PSNs of reordering, which the
+    PSN-distance rule (32) calls a loss, is well inside the reorder window (sent 47 us
+    before the trigger): no loss, nothing retired."""
+    env = ecmp
+    n = 48
+    carried = _spray_stamped(env, lambda i: TS0 + i, n=n)
+    assert env.psn_entry(CONN_A, PSN0 + 5).ts == TS0 + 5, "spray records the TSETH timestamp"
+    x = carried[PSN0]
+    d = _fb(env, "sack", _other_ev(env, x), cack_psn=PSN0, bitmap=_sack_bitmap([0], n))
+    assert d == dict(ING_FB, ing_sack=1)
+    assert env.state(CONN_A, x) == EvState.GOOD
+    assert env.psn_entry(CONN_A, PSN0).flags == const("MRC_PSNF_VALID")
+
+
+@pytest.mark.parametrize("extra,lost", [(1, True), (0, False), (5000, True)],
+                         ids=["window+1", "window", "long-after"])
+def test_time_loss_found_one_window_after(ecmp, extra, lost):
+    """The hole is 3 PSNs below the newest (the PSN-distance rule needs 32 more packets):
+    it is a loss as soon as a packet sent more than the window after it is SACKed."""
+    env = ecmp
+    wnd = env.cfg.loss_window_us            # no RTT sample yet: the floor
+    hole = NPSN - 4
+    carried = _spray_stamped(env, lambda i: TS0 + (0 if i <= hole else wnd + extra))
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, x)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    if not lost:
+        assert d == dict(ING_FB, ing_sack=1)
+        assert env.state(CONN_A, x) == EvState.GOOD
+        return
+    assert d == dict(ING_FB, ing_sack=1, **TIME_LOSS)
+    e = env.ev(CONN_A, x)
+    assert (EvState(e.state), EvReason(e.reason), e.losses) == (EvState.ASSUMED_BAD, EvReason.LOSS, 1)
+    assert (x, EvState.GOOD, EvState.ASSUMED_BAD, EvReason.LOSS) in \
+        [(v.ev, v.old_state, v.new_state, v.reason) for v in env.events()]
+
+
+def test_time_resent_hole_judged_by_its_first_send(ecmp):
+    """The engine resends a hole (its own rule is the PSN distance) before the datapath
+    judged it: the ring keeps the first transmission (EV, timestamp), which the loss rule
+    judges by its own send time, and blames on its own EV.  Once judged, a retransmission
+    takes the entry; sent after the trigger, it is in flight, no loss on its EV."""
+    env = ecmp
+    hole = 2
+    carried = _spray_stamped(env, lambda i: TS0 + 1000 * i)
+    first = env.psn_entry(CONN_A, PSN0 + hole)
+    ret, o = env.run("spray", data(PSN0 + hole, ts=TS0 + 1000 * NPSN, rtx=True))
+    assert ret == XDP_REDIRECT
+    y = wire.ev_of_frame(o)
+    pe = env.psn_entry(CONN_A, PSN0 + hole)
+    assert (pe.ev, pe.ts, pe.txseq) == (first.ev, first.ts, first.txseq), "the first send is kept"
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, x, y)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    assert d == dict(ING_FB, ing_sack=1, **TIME_LOSS)
+    assert env.state(CONN_A, x) == EvState.ASSUMED_BAD
+    # judged: the next retransmission (after the trigger) takes the entry and is in flight
+    ret, o = env.run("spray", data(PSN0 + hole, ts=TS0 + 1000 * NPSN + 5, rtx=True))
+    assert ret == XDP_REDIRECT
+    z = wire.ev_of_frame(o)
+    assert env.psn_entry(CONN_A, PSN0 + hole).ev == z
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    assert d == dict(ING_FB, ing_sack=1)
+    assert env.state(CONN_A, z) == EvState.GOOD
+
+
+def test_time_trigger_dated_by_its_reflected_timestamp(ecmp):
+    """The triggering PSN was resent (its ring entry is the retransmission's), but the
+    reflected timestamp (CC_STATE) says the original arrived: the trigger is dated by the
+    original, so a hole sent just before it is no loss.  A later reflection than the ring
+    (forged) changes nothing."""
+    env = ecmp
+    env.set_cfg(loss_window_div=0)          # the window: the floor (reflections are RTT samples)
+    wnd = env.cfg.loss_window_us
+    hole = 20
+    carried = _spray_stamped(env, lambda i: TS0 + 10 * i)
+    top = PSN0 + NPSN - 1
+    _fb(env, "nack", carried[top], nack_psn=top)           # trimmed: judged, then resent
+    ret, _ = env.run("spray", data(top, ts=TS0 + 10 * NPSN + 3 * wnd, rtx=True))
+    assert ret == XDP_REDIRECT
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, x)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]),
+            cc={"tx_ts": TS0 + 10 * (NPSN - 1)})
+    assert d.get("ing_loss", 0) == 0 and env.state(CONN_A, x) == EvState.GOOD, d
+    # dated by the ring (the retransmission, 3 windows later): a loss
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]),
+            cc={"tx_ts": (TS0 + 10 * NPSN + 3 * wnd + 7) & 0xFFFF})
+    assert d.get("ing_loss") == 1 and d.get("retire_loss") == 1, d
+    assert EvReason(env.ev(CONN_A, x).reason) == EvReason.LOSS
+
+
+def test_time_window_adapts_to_the_rtt(ecmp):
+    """The reflected timestamp is an RTT sample (bpf_ktime_get_ns is the engine's
+    CLOCK_MONOTONIC): with loss_window_div 1 and a small floor the window is at least the
+    min RTT, here 2 ms (plus however long the test takes to send the SACK), so a hole sent
+    1 ms before the trigger is reordering and one sent 29 ms before is a loss.  The
+    window and the RTT are in mrc_conns."""
+    env = ecmp
+    env.set_cfg(loss_window_us=10, loss_window_div=1)
+    unit = const("MRC_TS_UNIT_NS")
+    gap = {"near": 1000, "far": 29000}
+    for name, psn0 in (("near", PSN0), ("far", PSN0 + 100)):
+        hole = 5
+        sent = time.monotonic_ns() // unit - 2000              # the trigger: sent 2 ms ago ...
+        carried = _spray_stamped(env, lambda i: sent - (gap[name] if i <= hole else 0), psn0=psn0)
+        x = carried[psn0 + hole]
+        # ... its reflection taken now, so the RTT sample is 2 ms however long spraying took
+        # (a reflection later than the ring's timestamp leaves the trigger dated by the ring)
+        refl = (time.monotonic_ns() // unit - 2000) & 0xFFFF
+        d = _fb(env, "sack", _other_ev(env, x), cack_psn=psn0, bitmap=_sack_bitmap([hole]),
+                cc={"tx_ts": refl})
+        c = _conn_rt(env)
+        assert 2000 <= c.min_rtt < 25000 and c.reo_wnd >= c.min_rtt, (c.min_rtt, c.reo_wnd)
+        assert d["ing_rtt"] == 1
+        if name == "near":
+            assert d.get("ing_loss", 0) == 0 and env.state(CONN_A, x) == EvState.GOOD, d
+        else:
+            assert d.get("retire_loss") == 1 and env.state(CONN_A, x) == EvState.ASSUMED_BAD, d
+
+
+def test_retirements_counted_by_why(ecmp):
+    """User space's retirements through mrc_evop: an operator deny (retire_operator), the
+    daemon's failed probes (retire_probe); an allow is no retirement."""
+    from mrc_xdp import maps as libmaps
+    env = ecmp
+    x, y = _plane_ev(env, CONN_A, 0, 1), _plane_ev(env, CONN_A, 1, 2)
+    before = env.counters()
+    env.set_state(CONN_A, x, EvState.DENIED)
+    env.set_state(CONN_A, x, EvState.GOOD)
+    libmaps.set_ev_state(env.maps["mrc_evs"], env.maps["mrc_evidx"], CONN_A, y, EvState.ASSUMED_BAD,
+                         reason=EvReason.PROBE_FAIL, evop_fd=env.dp.fd("evop"))
+    d = delta(before, env.counters())
+    assert d == {"evop": 3, "retire_operator": 1, "retire_probe": 1}, d
 
 
 # ------------------------------------------------------------------ operator deny / allow
@@ -685,7 +853,7 @@ def test_feedback_at_the_window_edges_is_applied(ecmp):
     assert d == dict(ING_FB, ing_nack=1, **({"ing_fb_skip": 1} if y != x else {}))
     a, b = [ev for ev in env.active_evs(CONN_A) if ev not in (x, y)][:2]
     d = _fb(env, "sack", a, cack_psn=H + 1, ack_psn_offset=-1, m=SackM.ALWAYS_SKIP)
-    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, retire_always=1)
     d = _fb(env, "sack", b, cack_psn=(H + 1 - w) & M24, ack_psn_offset=w - 1,
             sack_offset=w - 1, bitmap=1, m=SackM.SKIP_ONCE)
     assert d == dict(ING_FB, ing_sack=1, ing_fb_skip=1)
@@ -731,7 +899,7 @@ def test_window_across_psn_wraparound(ecmp):
                 if carried[(first + h) & M24] not in (y, z))
     lost = carried[(first + hole) & M24]
     d = _fb(env, "sack", _other_ev(env, lost), cack_psn=first, bitmap=_sack_bitmap([hole]))
-    assert d == dict(ING_FB, ing_sack=1, ing_loss=1, ing_fb_bad=1, ing_fb_replaced=1)
+    assert d == dict(ING_FB, ing_sack=1, ing_fb_bad=1, ing_fb_replaced=1, **PSN_LOSS)
     assert env.state(CONN_A, lost) == EvState.ASSUMED_BAD
 
 

@@ -35,6 +35,7 @@ Run as root: .venv/bin/python tools/bench_failover.py [--out DIR] (about a minut
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import mmap
 import os
@@ -385,7 +386,12 @@ def run_failover(args, out):
         sampler.start()
         time.sleep(args.warmup)
         t1_ends = [rx.ifindex for n, rx, _, lk in topo.link_ends() if t1 in (lk.a.node, lk.b.node)]
-        bad0 = {r["ev"] for r in evs_of(prefix + "h0") if r["state"] == "ASSUMED_BAD"}
+        rows0 = evs_of(prefix + "h0")
+        bad0 = {r["ev"] for r in rows0 if r["state"] == "ASSUMED_BAD"}
+        # the EVs (active and backup) of the MRC connection whose path crosses the dead T1
+        tp, tj = int(t1[1:t1.index("t1")]), int(t1[t1.index("s") + 1:])
+        crossing = {"conn": next(r["conn"] for r in rows0 if r["conn_name"] == "h2"),
+                    "evs": {r["ev"] for r in rows0 if r["conn_name"] == "h2" and (r["plane"], r["t1"]) == (tp, tj)}}
         fault_ns = time.monotonic_ns()
         for i in t1_ends:
             lm.update(i, blackhole=True)
@@ -411,7 +417,8 @@ def run_failover(args, out):
         mrc.close()
         mrc = None
         hist = [e for e in (health.request_lines({"op": "events", "instance": prefix + "h0"}, sock) or [])]
-        res = analyse(sampler.rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, args, out)
+        res = analyse(sampler.rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, args, out,
+                      crossing)
     finally:
         if mrc is not None:
             mrc.close()
@@ -434,7 +441,7 @@ def evs_of(instance):
         return i.ev_table()
 
 
-def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, args, out):
+def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, args, out, crossing=None):
     t0 = rows[0][0]
     series = {name: binned(rows, t0, col) for name, col in (("mrc", 1), ("tcp", 2), ("mptcp", 3))}
     fs, hs = (fault_ns - t0) / 1e9, (heal_ns - t0) / 1e9
@@ -464,6 +471,13 @@ def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, ar
              "bytes_retransmitted": int(rtx)}
         if name == "mrc":
             r["evs_retired"] = len({e["ev"] for e in retired})
+            if crossing is not None:
+                # retired during the fault, of the MRC connection: which crossed the dead T1
+                mine = {e["ev"] for e in retired if e.get("conn") == crossing["conn"] and e["ts_ns"] < heal_ns}
+                r["evs_crossing"] = len(crossing["evs"])
+                r["evs_retired_fault"] = len(mine)
+                r["evs_retired_not_crossing"] = len(mine - crossing["evs"])
+            r["retired_by_reason"] = dict(collections.Counter(e["reason"] for e in retired))
             r["engine"] = {k: mstats[k] for k in ("tx_pkts", "rtx_pkts", "rtx_timeout", "rtx_sack",
                                                   "timeouts") if k in mstats}
             r["probe_ok_during_fault"] = sum(1 for e in hist if e.get("reason") == "PROBE_OK"
@@ -616,6 +630,11 @@ def main(argv=None):
                 fmt_s(f["detect_s"]), fmt_s(f["recover_from_fault_s"]), fmt_s(f["recover_from_report_s"]),
                 f["bytes_retransmitted"], back))
         m, t = r["flows"]["mrc"], r["flows"]["tcp"]
+        print("MRC: EVs retired %d, EVs that cross the fault %d (retired during the fault: %d, of them not "
+              "crossing it %d); by reason %s; first EV retired %s after the fault" % (
+                  m["evs_retired"], m["evs_crossing"], m["evs_retired_fault"], m["evs_retired_not_crossing"],
+                  ", ".join("%s %d" % kv for kv in sorted(m["retired_by_reason"].items())) or "none",
+                  "n/a" if m["detect_s"] is None else "%.0f us" % (m["detect_s"] * 1e6)))
         print("MRC engine: %s; EVs resurrected by probes during the fault %d, after the heal %d" % (
             ", ".join("%s %d" % kv for kv in m["engine"].items()), m["probe_ok_during_fault"],
             m["probe_ok_after_heal"]))

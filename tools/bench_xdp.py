@@ -112,6 +112,7 @@ TEMPLATE = {"block": "fcbb:0::", "usids": [0x0101, 0x0200, 0x0102, 0x0302], "t1_
 
 BIG, SMALL = "1 KB", "64 B"
 C_SPRAY = "spray ECMP, %s payload"
+C_SPRAY_TS = "spray ECMP, TSETH, %s payload"    # as the engine sends (its tx timestamp)
 C_SPRAY6 = "spray SRv6 encap, %s payload"
 C_ING = "ingress data, %s payload"
 C_SACK = "ingress SACK M=NONE"
@@ -523,6 +524,9 @@ def build_runs(dps, cfgs, ifx, bench, probe):
         f = rx_data(n)
         add(Run(C_ING % label, ecmp.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
                 check=same_len(f), counter=(ecmp, "ING_DATA")))
+    f = wire.data_frame(LOCAL, PEER, REMOTE_QPN, PSN, b"\xab" * PAYLOAD_BIG, ts=0x1234)
+    add(Run(C_SPRAY_TS % BIG, ecmp.fd("spray"), f, ifx_fab, XDP_REDIRECT,
+            check=sprayed(f, 0), counter=(ecmp, "SPRAY_ICRC_FIX")))
     f = tx_data(PAYLOAD_BIG)
     add(Run("bench_spray ecmp 1 KB", bench.fds["bench_spray"], f, ifx_fab, XDP_REDIRECT,
             before=lambda: bench.set_mode("ecmp"), check=sprayed(f, 0),
@@ -679,6 +683,7 @@ def derive(runs, probe, small_repeat, rounds):
     u = [(p - x) / 2 for p, x in zip(v["push_eth_undo"], b)]
     for label in (BIG, SMALL):
         row(C_SPRAY % label, "spray", "direct", v[C_SPRAY % label])
+    row(C_SPRAY_TS % BIG, "spray", "direct", v[C_SPRAY_TS % BIG])
     for label in (BIG, SMALL):
         name = C_SPRAY6 % label
         if probe["resets"]:

@@ -133,6 +133,11 @@ def part_b(args, res):
                            after=1.0 if args.quick else 1.5, pace=300, note=FOOT % "b")
     r = bf.run_failover(a, args.out)
     r["params"] = {k: v for k, v in vars(a).items() if k != "note"}
+    m = r["flows"]["mrc"]
+    log("(b) %s blackholed %.1f s: MRC EVs retired %d (during the fault %d), EVs that cross the fault %d, "
+        "retired not crossing it %d; first EV retired %s after the fault" % (
+            r["t1"], a.fault, m["evs_retired"], m["evs_retired_fault"], m["evs_crossing"],
+            m["evs_retired_not_crossing"], "n/a" if m["detect_s"] is None else "%.0f us" % (m["detect_s"] * 1e6)))
     res["b"] = r
 
 
@@ -841,8 +846,12 @@ def section_b(w, r, args):
     for name, f in r["flows"].items():
         ev = ""
         if name == "mrc":
-            ev = "%d retired; back in service %s after the heal" % (
-                f["evs_retired"], ms(f["back_after_heal_s"]) if f["prober"] else "n/a (no prober)")
+            ev = "%d retired (during the fault %d; EVs that cross the fault %d, retired not crossing it %d; "\
+                 "first %s after the fault; by reason %s); back in service %s after the heal" % (
+                     f["evs_retired"], f["evs_retired_fault"], f["evs_crossing"], f["evs_retired_not_crossing"],
+                     "n/a" if f["detect_s"] is None else "%.0f us" % (f["detect_s"] * 1e6),
+                     ", ".join("%s %d" % kv for kv in sorted(f["retired_by_reason"].items())) or "none",
+                     ms(f["back_after_heal_s"]) if f["prober"] else "n/a (no prober)")
         w("| %s | %s | %s | %s | %s | %d B | %s |" % (
             name.upper(), mb(f["goodput_before_bps"]), mb(f["goodput_first_10ms_bps"] or 0), ms(f["detect_s"]),
             ms(f["recover_from_fault_s"]), f["bytes_retransmitted"], ev))

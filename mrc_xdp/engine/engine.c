@@ -876,7 +876,10 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
 	else
 		opcode = MRC_OP_WRITE_MIDDLE;
-	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (e->o.timestamps ? MRC_TSETH_LEN : 0);
+	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
+	uint64_t now = now_ns();
+
+	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
 	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
 	ip_plen = frame_len - OFF_UDP;
 	f = tx_frame(e, &addr);
@@ -884,13 +887,14 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		return -1;
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
 		   (uint8_t)(pad << 4), (last || t->rto ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
-		   (e->o.timestamps ? MRC_BTH_B8_TS : 0), t->psn);
+		   (ts_on ? MRC_BTH_B8_TS : 0), t->psn);
 	p = f + OFF_EXT;
 	put16(p, 0);                             /* RQMSN */
 	put16(p + 2, w->msn);                    /* MSN */
 	p += MRC_METH_LEN;
-	if (e->o.timestamps) {                   /* TSETH: tx time in µs (16 bits), TSR 0, ftype 0 */
-		uint16_t ts = (uint16_t)(now_ns() / 1000);
+	if (ts_on) {   /* TSETH: tx time (MRC_TS_UNIT_NS, 16 bits), TSR 0, ftype 0: the datapath
+			* dates each packet by it for its loss rule, the SACK reflects it */
+		uint16_t ts = (uint16_t)(now / MRC_TS_UNIT_NS);
 
 		put16(p, ts ? ts : 1);           /* 0 means "no timestamp" when reflected */
 		put16(p + 2, 0);
@@ -909,7 +913,7 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 	finish_frame(f, frame_len);
 	if (tx_submit(e, addr, frame_len))
 		return -1;
-	t->tx_ns = now_ns();
+	t->tx_ns = now;                          /* the stamp's clock read (one per packet) */
 	t->txseq = q->txseq++;
 	t->nsent++;
 	t->state = TXP_INFLIGHT;
@@ -1339,11 +1343,11 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		if ((bm >> i & 1) && psn_sub(p, q->snd_una) < span)
 			acked += ack_one(q, p);
 	}
-	if (e->o.timestamps && get16(h + MRC_SETH_LEN)) {
+	if (e->o.timestamps == 1 && get16(h + MRC_SETH_LEN)) {
 		/* a reflected timestamp times retransmissions too (no Karn ambiguity) */
-		uint32_t us = ((uint32_t)(now / 1000) - get16(h + MRC_SETH_LEN)) & 0xFFFF;
+		uint32_t us = ((uint32_t)(now / MRC_TS_UNIT_NS) - get16(h + MRC_SETH_LEN)) & 0xFFFF;
 
-		rtt = (uint64_t)us * 1000;
+		rtt = (uint64_t)us * MRC_TS_UNIT_NS;
 		if (!rtt)
 			rtt = 1;
 		q->st.rtt_ts++;

@@ -79,7 +79,9 @@ struct mrc_eng_opts {
 	uint32_t window;            /* PSN window (MPR) in packets, power of 2, 128..16384 (512: the
 	                             * datapath attributes feedback only within MRC_PSN_RING) */
 	uint32_t timestamps;        /* 1: TSETH on every data packet (BTH TS bit), reflected in the
-	                             * SACK's CC_STATE: RTT samples from retransmissions too */
+	                             * SACK's CC_STATE: the datapath's time-based loss rule dates
+	                             * packets by it, RTT samples from retransmissions too; 0
+	                             * (default) or 2: none (the datapath's PSN-distance rule) */
 	/* NSCC-style congestion window */
 	uint32_t cc_init_cwnd;      /* bytes (default 64 packets) */
 	uint32_t cc_min_cwnd;       /* bytes (default 1 packet: spray rotates EVs per packet) */
