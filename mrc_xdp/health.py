@@ -12,6 +12,22 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   visit GOOD EVs (active and backup) in turn; their RTT is recorded per EV (last and
   smoothed, served to ``mrc-xdp top``); ``probe.background_fail`` consecutive unanswered
   probes retire a GOOD EV before data is sent over it.
+- **Busy instances are left to their feedback.** While an instance's spray is sending
+  data (its ``spray_data`` counter moved in the last ``BUSY_S``), its SACKs test every
+  EV it sprays on and the datapath retires a dead one within a feedback packet, so it
+  gets no background probes, and its retired EVs are probed at most one every
+  ``BUSY_PROBE_S``.  Why: every probe is a frame written into the instance's mrc0 from
+  the daemon's thread, and on a veth that frame's transmit runs mrc0p's NAPI (spray and
+  every hop after it) on the daemon's CPU instead of inline with the engine's own sends;
+  measured on the lab (issue 19), 20-80 such frames a second during a large transfer
+  (even frames spray passes as not MRC) made the engine's packets leave in bursts that
+  the link models marked and trimmed, reordered them past the datapath's 32-PSN loss
+  rule, and retired 12-24 live EVs of 24 with no fault at all; with a T1 failed the
+  set then ran empty and spray's last resort sent on the dead EVs (11,000-70,000
+  packets retransmitted where 700-2,700 without the daemon).
+- **Run-time connections** (``mrc_xdp.conns``, e.g. a ``send``'s QP) are followed: the
+  instance's state file is re-read when it changes, so their EVs are probed and
+  resurrected like those of the configured connections.
 - **Plane links.** The plane NICs' link state is followed over netlink in the
   instance's namespace.  A NIC that goes down (not IFF_UP or no carrier) takes its
   plane out of rotation: the daemon sets MRC_PF_DOWN in the plane's mrc_planes entry
@@ -52,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import bpfsys, maps, netns
-from .shared import EvReason, EvState, ffi
+from .shared import Ctr, EvReason, EvState, ffi
 
 DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
 SOCKET_ENV = "MRC_XDP_DAEMON_SOCKET"
@@ -63,6 +79,8 @@ PROBE_FAIL = EvReason.PROBE_FAIL                                    # background
 TICK = 0.02                 # main loop: ring polls, due probes
 ROWS_S = 0.05               # EV states re-read at most this often per instance
 RESCAN_S = 1.0              # new/removed instances, link resync
+BUSY_S = 0.5                # an instance whose spray sent data this recently is busy ...
+BUSY_PROBE_S = 0.25         # ... and gets at most one probe per this long (see InstanceHealth)
 
 IFF_UP, IFF_RUNNING = 0x1, 0x40
 
@@ -370,6 +388,9 @@ class InstanceHealth:
         self.lock = threading.Lock()
         self.rng = random.Random()
         self.resurrected = 0
+        self._state_mtime = self._state_stamp()
+        self.busy = False
+        self._tx_data, self._busy_until, self._busy_next = None, 0.0, 0.0
         if cfg.follow_links and self.planes:
             self._open_netlink()
             self.sync_links()
@@ -492,12 +513,43 @@ class InstanceHealth:
         self._daemon_event(cur, was, state.name, reason)
         return True
 
+    def _state_stamp(self):
+        try:
+            st = os.stat(maps.state_path(self.name))
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _refresh_state(self) -> None:
+        """Re-read the instance's state file when it changed: run-time connections
+        (mrc_xdp.conns) are added to and removed from it."""
+        stamp = self._state_stamp()
+        if stamp is None or stamp == self._state_mtime:
+            return
+        try:
+            with open(maps.state_path(self.name)) as f:
+                self.inst.state = json.load(f)
+            self._state_mtime = stamp
+        except (OSError, ValueError):
+            pass            # being rewritten: next time
+
+    def _busy(self, now: float) -> bool:
+        """Is the instance's spray sending data (see the module docstring)?"""
+        raw = self.inst.map("mrc_stats").lookup(int(Ctr.SPRAY_DATA))
+        n = sum(bpfsys.sum_u64_percpu(raw)) if raw is not None else 0
+        if self._tx_data is not None and n != self._tx_data:
+            self._busy_until = now + BUSY_S
+        self._tx_data = n
+        return now < self._busy_until
+
     def tick(self) -> None:
         if self.prober is None:
             return
         now = time.monotonic()
         if now - self._rows_at >= ROWS_S:
+            self._refresh_state()
             self._rows, self._rows_at = ev_states(self.inst), now
+            self.busy = self._busy(now)
         rows = self._rows
         seen = set()
         for r in rows:
@@ -511,14 +563,20 @@ class InstanceHealth:
                     st = self.bad[k] = _Probe(now + self._period(0))
                 if st.busy or now < st.next:
                     continue
+                if self.busy:           # one probe per BUSY_PROBE_S while data flows
+                    if now < self._busy_next:
+                        continue
+                    self._busy_next = now + BUSY_PROBE_S
                 st.busy = True
             self.pool.submit(self._probe_bad, r, st)
         with self.lock:
             for k in [k for k, st in self.bad.items() if k not in seen and not st.busy]:
                 del self.bad[k]
-        # background
+        # background: idle instances only (a busy one's feedback tests its EVs)
         dt, self.last_tick = now - self.last_tick, now
         self.bg_credit = min(self.bg_credit + dt * self.cfg.background_per_s, 8.0)
+        if self.busy:
+            self.bg_credit = 0.0
         good = [r for r in rows if r["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False]
         while self.bg_credit >= 1.0 and good:
             self.bg_credit -= 1.0
