@@ -13,10 +13,12 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   smoothed, served to ``mrc-xdp top``); ``probe.background_fail`` consecutive unanswered
   probes retire a GOOD EV before data is sent over it.
 - **Busy instances are left to their feedback.** While an instance's spray is sending
-  data (its ``spray_data`` counter moved in the last ``BUSY_S``), its SACKs test every
-  EV it sprays on and the datapath retires a dead one within a feedback packet, so it
-  gets no background probes, and its retired EVs are probed at most one every
-  ``BUSY_PROBE_S``.  Why: every probe is a frame written into the instance's mrc0 from
+  data or feedback for an engine (spray's data and control counters, less our probes,
+  moved in the last ``BUSY_S``), it gets no background probes (a sender's SACKs test
+  every EV it sprays on, and the datapath retires a dead one within a feedback packet),
+  and its retired EVs wait until it is idle, unless their plane of the connection has
+  fewer than half of its EVs (active and backup) GOOD: those are probed, one every
+  ``BUSY_PROBE_S`` per instance, so a set that runs low is refilled.  Why: every probe is a frame written into the instance's mrc0 from
   the daemon's thread, and on a veth that frame's transmit runs mrc0p's NAPI (spray and
   every hop after it) on the daemon's CPU instead of inline with the engine's own sends;
   measured on the lab (issue 19), 20-80 such frames a second during a large transfer
@@ -535,12 +537,27 @@ class InstanceHealth:
 
     def _busy(self, now: float) -> bool:
         """Is the instance's spray sending data (see the module docstring)?"""
-        raw = self.inst.map("mrc_stats").lookup(int(Ctr.SPRAY_DATA))
-        n = sum(bpfsys.sum_u64_percpu(raw)) if raw is not None else 0
+        stats = self.inst.map("mrc_stats")
+
+        def ctr(c):
+            raw = stats.lookup(int(c))
+            return sum(bpfsys.sum_u64_percpu(raw)) if raw is not None else 0
+        # data and feedback (SACK/NACK) the engine sent; not our own probes
+        n = ctr(Ctr.SPRAY_DATA) + ctr(Ctr.SPRAY_CTRL) - ctr(Ctr.SPRAY_PROBE)
         if self._tx_data is not None and n != self._tx_data:
             self._busy_until = now + BUSY_S
         self._tx_data = n
         return now < self._busy_until
+
+    @staticmethod
+    def _short(rows) -> set:
+        """(conn, plane) pairs with fewer than half of their EVs (active and backup) GOOD."""
+        tot, good = collections.Counter(), collections.Counter()
+        for r in rows:
+            k = (r["conn"], r["plane"])
+            tot[k] += 1
+            good[k] += r["state"] == "GOOD"
+        return {k for k in tot if 2 * good[k] < tot[k]}
 
     def tick(self) -> None:
         if self.prober is None:
@@ -551,6 +568,7 @@ class InstanceHealth:
             self._rows, self._rows_at = ev_states(self.inst), now
             self.busy = self._busy(now)
         rows = self._rows
+        short = self._short(rows) if self.busy else set()
         seen = set()
         for r in rows:
             k = (r["conn"], r["ev"])
@@ -563,8 +581,8 @@ class InstanceHealth:
                     st = self.bad[k] = _Probe(now + self._period(0))
                 if st.busy or now < st.next:
                     continue
-                if self.busy:           # one probe per BUSY_PROBE_S while data flows
-                    if now < self._busy_next:
+                if self.busy:           # see the module docstring
+                    if (r["conn"], r["plane"]) not in short or now < self._busy_next:
                         continue
                     self._busy_next = now + BUSY_PROBE_S
                 st.busy = True
