@@ -16,9 +16,8 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   data or feedback for an engine (spray's data and control counters, less our probes,
   moved in the last ``BUSY_S``), it gets no background probes (a sender's SACKs test
   every EV it sprays on, and the datapath retires a dead one within a feedback packet),
-  and its retired EVs wait until it is idle, unless their plane of the connection has
-  fewer than half of its EVs (active and backup) GOOD: those are probed, one every
-  ``BUSY_PROBE_S`` per instance, so a set that runs low is refilled.  Why: every probe is a frame written into the instance's mrc0 from
+  and its retired EVs are probed at most one every ``BUSY_PROBE_S`` (per instance),
+  so they still come back, in turn.  Why: every probe is a frame written into the instance's mrc0 from
   the daemon's thread, and on a veth that frame's transmit runs mrc0p's NAPI (spray and
   every hop after it) on the daemon's CPU instead of inline with the engine's own sends;
   measured on the lab (issue 19), 20-80 such frames a second during a large transfer
@@ -81,8 +80,8 @@ PROBE_FAIL = EvReason.PROBE_FAIL                                    # background
 TICK = 0.02                 # main loop: ring polls, due probes
 ROWS_S = 0.05               # EV states re-read at most this often per instance
 RESCAN_S = 1.0              # new/removed instances, link resync
-BUSY_S = 0.5                # an instance whose spray sent data this recently is busy ...
-BUSY_PROBE_S = 0.25         # ... and gets at most one probe per this long (see InstanceHealth)
+BUSY_S = 0.2                # an instance whose spray sent data this recently is busy ...
+BUSY_PROBE_S = 0.2          # ... and gets at most one probe per this long (module docstring)
 
 IFF_UP, IFF_RUNNING = 0x1, 0x40
 
@@ -549,26 +548,15 @@ class InstanceHealth:
         self._tx_data = n
         return now < self._busy_until
 
-    @staticmethod
-    def _short(rows) -> set:
-        """(conn, plane) pairs with fewer than half of their EVs (active and backup) GOOD."""
-        tot, good = collections.Counter(), collections.Counter()
-        for r in rows:
-            k = (r["conn"], r["plane"])
-            tot[k] += 1
-            good[k] += r["state"] == "GOOD"
-        return {k for k in tot if 2 * good[k] < tot[k]}
-
     def tick(self) -> None:
         if self.prober is None:
             return
         now = time.monotonic()
+        self.busy = self._busy(now)     # every tick: the first probes must not race a start
         if now - self._rows_at >= ROWS_S:
             self._refresh_state()
             self._rows, self._rows_at = ev_states(self.inst), now
-            self.busy = self._busy(now)
         rows = self._rows
-        short = self._short(rows) if self.busy else set()
         seen = set()
         for r in rows:
             k = (r["conn"], r["ev"])
@@ -581,8 +569,8 @@ class InstanceHealth:
                     st = self.bad[k] = _Probe(now + self._period(0))
                 if st.busy or now < st.next:
                     continue
-                if self.busy:           # see the module docstring
-                    if (r["conn"], r["plane"]) not in short or now < self._busy_next:
+                if self.busy:           # one probe per BUSY_PROBE_S: see the module docstring
+                    if now < self._busy_next:
                         continue
                     self._busy_next = now + BUSY_PROBE_S
                 st.busy = True

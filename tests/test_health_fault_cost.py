@@ -54,15 +54,6 @@ def _run(lab):
     failed = []
     d0 = _drops(lab, links)
     t0 = time.monotonic()
-    from mrc_xdp.maps import Instance
-    def pc():
-        out = {}
-        for h in ("h0", "h2"):
-            with Instance(lab["prefix"] + h) as inst:
-                c = inst.counters()
-            out[h] = (c["spray_probe"], c["ing_probe_answered"], c["ing_fb_bad"], c["spray_last_resort"])
-        return out
-    p0 = pc()
 
     def during(frac):
         if not failed and frac >= FAIL_AT:
@@ -73,8 +64,9 @@ def _run(lab):
     finally:
         H.set_ends(lab, links, blackhole=False)
     assert failed, "the transfer ended before the fault"
-    p1 = pc()
-    res = {"pc": {h: [b - a for a, b in zip(p0[h], p1[h])] for h in p0}, "rtx": st["rtx_pkts"], "why": (st["rtx_sack"], st["rtx_timeout"], st["rtx_nack_trim"], st.get("timeouts")), "tx": st["tx_pkts"], "dropped": _drops(lab, links) - d0,
+    res = {"rtx": st["rtx_pkts"], "tx": st["tx_pkts"], "dropped": _drops(lab, links) - d0,
+           "sack/rto/trim/expiries": (st["rtx_sack"], st["rtx_timeout"], st["rtx_nack_trim"],
+                                      st.get("timeouts")),
            "s": round(time.monotonic() - t0, 1), "load": round(os.getloadavg()[0], 1)}
     _reset(lab)
     time.sleep(0.3)
