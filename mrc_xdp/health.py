@@ -16,16 +16,17 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   data or feedback for an engine (spray's data and control counters, less our probes,
   moved in the last ``BUSY_S``), it gets no background probes (a sender's SACKs test
   every EV it sprays on, and the datapath retires a dead one within a feedback packet),
-  and its retired EVs are probed at most one every ``BUSY_PROBE_S`` (per instance),
-  so they still come back, in turn.  Why: every probe is a frame written into the instance's mrc0 from
-  the daemon's thread, and on a veth that frame's transmit runs mrc0p's NAPI (spray and
-  every hop after it) on the daemon's CPU instead of inline with the engine's own sends;
-  measured on the lab (issue 19), 20-80 such frames a second during a large transfer
-  (even frames spray passes as not MRC) made the engine's packets leave in bursts that
-  the link models marked and trimmed, reordered them past the datapath's 32-PSN loss
-  rule, and retired 12-24 live EVs of 24 with no fault at all; with a T1 failed the
-  set then ran empty and spray's last resort sent on the dead EVs (11,000-70,000
-  packets retransmitted where 700-2,700 without the daemon).
+  and its retired EVs are probed at most one every ``BUSY_PROBE_S`` per instance, so
+  they still come back, in turn.  Why (issue 19, measured on the lab): every probe is
+  a frame written into the instance's mrc0 from the daemon's thread, and 20-80 such
+  frames a second during a large transfer (even frames spray passes as not MRC) made
+  the engine's packets leave in bursts that the link models marked and trimmed and
+  that arrived reordered past the datapath's 32-PSN loss rule: 12-24 live EVs of 24
+  retired with no fault at all; with a T1 failed the set then ran empty and spray's
+  last resort sent on the dead EVs (11,000-70,000 packets resent where 700-2,700
+  without the daemon).  A CPU hog of the daemon's size did nothing of the kind; our
+  reading (not proven) is that the frame's transmit on the veth runs mrc0p's NAPI, and
+  every hop after it, on the daemon's CPU instead of inline with the engine's sends.
 - **Run-time connections** (``mrc_xdp.conns``, e.g. a ``send``'s QP) are followed: the
   instance's state file is re-read when it changes, so their EVs are probed and
   resurrected like those of the configured connections.
