@@ -69,7 +69,6 @@
 #define OFF_EXT    (OFF_BTH + MRC_BTH_LEN)
 #define ECT0       2
 #define CE_EVS     4           /* CE-marked EVs a receiver QP keeps to echo (see ce_note) */
-#define CE_SACK_EVERY 4        /* extra SACKs for marked EVs: at most one per this many packets */
 
 static inline uint32_t psn_sub(uint32_t a, uint32_t b) { return (a - b) & PSN_MASK; }
 
@@ -1004,15 +1003,10 @@ static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m
  * SACK with the bitmap ending at it acknowledges what arrived out there too. */
 static void send_sack(struct mrc_eng *e, struct qp *q)
 {
-	uint32_t d = psn_sub(q->ack_psn, q->rcv_cack), n;
+	uint32_t d = psn_sub(q->ack_psn, q->rcv_cack);
 
 	if (sack_frame(e, q, q->rcv_cack, 1))
 		return;
-	/* more marked EVs waiting: one more SACK each, as long as the SACKs stay at most one
-	 * per CE_SACK_EVERY data packets (see ce_note) */
-	for (n = 1; q->ce_n && (n + 1) * CE_SACK_EVERY <= q->ack_pending; n++)
-		if (sack_frame(e, q, q->rcv_cack, 1))
-			break;
 	if (d >= 64 && d < PSN_HALF)
 		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0);
 	/* A duplicate says the sender did not hear our last SACK (or its packet was late),
@@ -1034,16 +1028,11 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
  * 19: a SACK of its own per marked packet made 80k ECN SACKs for 155k data packets):
  * the EV joins a FIFO of marked EVs not yet echoed (once: an EV already waiting is not
  * queued twice; when CE_EVS are waiting the oldest gives way), and each SACK that goes
- * out echoes the oldest of them with M=SKIP_ONCE instead of the newest packet's EV.
- * While marked EVs wait, send_sack adds one SACK per waiting EV (the same cack and
- * bitmap, another echo) as long as the SACKs stay at most one per CE_SACK_EVERY data
- * packets since the last: a large RX batch (one SACK for up to 64 packets) still
- * reports up to CE_EVS marked EVs, and marks never make the SACKs more than a quarter
- * of the data packets.  The datapath skips each echoed EV once, so the marked path's
- * share falls (measured: tests/test_engine_ce_feedback.py).  Echoing only the newest
- * marked EV per SACK kept more traffic on the marked path (18.8% of the packets
- * against 17.5%, when one SACK went out per 4-5 packets).  The SACK's ack_psn_offset
- * (triggering packet, for RACK and RTT) still names the newest packet.
+ * out echoes the oldest of them with M=SKIP_ONCE instead of the newest packet's EV.  So
+ * every marked EV is reported (rotating: several marked in one coalescing window ride
+ * on the SACKs that follow), the datapath skips each once, and the SACK count stays
+ * one per ack_every packets.  The SACK's ack_psn_offset (triggering packet, for RACK
+ * and RTT) still names the newest packet; only the echoed EV changes.
  */
 static void ce_note(struct qp *q, uint32_t ev)
 {
