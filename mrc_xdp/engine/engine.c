@@ -21,8 +21,8 @@
  * ACK coalescing (receiver): at the end of each RX batch (<= 64 frames) a SACK for the
  * newest packet if ack_every data packets are unacknowledged, or a packet of the batch
  * left a hole, was a duplicate or carried AckReq; else ack_delay_us after the first
- * unacknowledged one.  CE-marked packets are coalesced too: each SACK echoes, with
- * M=SKIP_ONCE, the oldest EV of a marked packet it has not echoed yet (ce_note).
+ * unacknowledged one; and a SACK of its own, at once, for each CE-marked packet (so
+ * M=SKIP_ONCE echoes the EV that was marked).
  * SACK bitmaps start at cack; when the newest packet is 64 or more beyond cack a second
  * SACK follows whose bitmap ends at it.
  * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN a SACK
@@ -68,7 +68,6 @@
 #define OFF_BTH    (OFF_UDP + UDP_HLEN)
 #define OFF_EXT    (OFF_BTH + MRC_BTH_LEN)
 #define ECT0       2
-#define CE_EVS     4           /* CE-marked EVs a receiver QP keeps to echo (see ce_note) */
 
 static inline uint32_t psn_sub(uint32_t a, uint32_t b) { return (a - b) & PSN_MASK; }
 
@@ -334,8 +333,7 @@ struct qp {
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
 	struct rmsg *msgs;                       /* win entries, by msn & mask */
 	uint16_t rmsn_next;
-	uint32_t ack_pending, ack_psn, ack_ev, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
-	uint32_t ce_ev[CE_EVS], ce_head, ce_n;   /* EVs of CE-marked packets not yet echoed (FIFO) */
+	uint32_t ack_pending, ack_psn, ack_ev, ack_ce, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
 	uint64_t ack_deadline, rcvd_bytes;
 	int ack_now, ack_dup;
 	struct mrc_qp_stats st;
@@ -972,16 +970,9 @@ static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m
 		   0, 0, cack);
 	h = f + OFF_EXT;
 	memset(h, 0, MRC_SETH_LEN + MRC_CCSTATE_LEN);
-	if (with_m && q->ce_n) {             /* echo the oldest marked EV not yet echoed */
-		h[1] = (uint8_t)(MRC_M_SKIP_ONCE << MRC_SETH_M_SHIFT);
-		put32(h + 4, q->ce_ev[q->ce_head]);
-		q->ce_head = (q->ce_head + 1) % CE_EVS;
-		q->ce_n--;
-	} else {
-		h[1] = (uint8_t)(MRC_M_NONE << MRC_SETH_M_SHIFT);
-		put32(h + 4, q->ack_ev);
-	}
+	h[1] = (uint8_t)((with_m && q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
 	put16(h + 2, (uint16_t)aoff);
+	put32(h + 4, q->ack_ev);
 	put24(h + 13, cack);
 	h[17] = (uint8_t)(q->win / 128 > 255 ? 255 : q->win / 128);   /* MPR */
 	put16(h + 18, (uint16_t)soff);
@@ -1020,33 +1011,8 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 	q->ack_dup = 0;
 	q->ack_pending = 0;
 	q->ack_now = 0;
+	q->ack_ce = 0;
 	q->ack_deadline = 0;
-}
-
-/*
- * A CE-marked packet arrived on EV ev.  CE feedback is coalesced like the rest (issue
- * 19: a SACK of its own per marked packet made 80k ECN SACKs for 155k data packets):
- * the EV joins a FIFO of marked EVs not yet echoed (once: an EV already waiting is not
- * queued twice; when CE_EVS are waiting the oldest gives way), and each SACK that goes
- * out echoes the oldest of them with M=SKIP_ONCE instead of the newest packet's EV.  So
- * every marked EV is reported (rotating: several marked in one coalescing window ride
- * on the SACKs that follow), the datapath skips each once, and the SACK count stays
- * one per ack_every packets.  The SACK's ack_psn_offset (triggering packet, for RACK
- * and RTT) still names the newest packet; only the echoed EV changes.
- */
-static void ce_note(struct qp *q, uint32_t ev)
-{
-	uint32_t i;
-
-	for (i = 0; i < q->ce_n; i++)
-		if (q->ce_ev[(q->ce_head + i) % CE_EVS] == ev)
-			return;
-	if (q->ce_n == CE_EVS) {
-		q->ce_head = (q->ce_head + 1) % CE_EVS;
-		q->ce_n--;
-	}
-	q->ce_ev[(q->ce_head + q->ce_n) % CE_EVS] = ev;
-	q->ce_n++;
 }
 
 static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev, uint8_t reason,
@@ -1172,8 +1138,12 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	q->ack_ev = ev;
 	q->ack_ts = ts;
 	q->ack_pending++;
-	if (ce)
-		ce_note(q, ev);
+	if (ce) {
+		/* its own SACK at once: M=SKIP_ONCE must echo the EV of the marked packet */
+		q->ack_ce = 1;
+		send_sack(e, q);
+		return;
+	}
 	if (bth[8] & MRC_BTH_B8_ACKREQ)
 		q->ack_now = 1;
 	if ((bth[8] & (MRC_BTH_B8_ACKREQ | MRC_BTH_B8_RTX)) == (MRC_BTH_B8_ACKREQ | MRC_BTH_B8_RTX))
