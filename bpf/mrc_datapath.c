@@ -467,8 +467,9 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 	}
 }
 
-/* SACK / NACK: apply the EV state machine at once, for known connections only. */
-static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, struct mrc_config *cfg)
+/* SACK / NACK: apply the EV state machine at once, for known connections only.
+ * Returns 1 for feedback outside the sent window: dropped, the engine never sees it. */
+static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struct mrc_config *cfg)
 {
 	struct mrc_evidx_key key = {};
 	struct mrc_conn *c;
@@ -480,11 +481,11 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 
 	if (conn_find(p->saddr, p->dqpn, MRC_DIR_RX, &cid, &c)) {
 		ctr_inc(MRC_C_ING_FB_NO_CONN);
-		return;
+		return 0;
 	}
 	h = mrc_ext(ctx, p, p->opcode == MRC_OP_SACK ? MRC_SETH_LEN + MRC_CCSTATE_LEN : MRC_NETH_LEN);
 	if (!h)
-		return;
+		return 0;
 	/* Outside the sent window: counted, nothing else (no EV change, no loss). */
 	hi = c->psn_hi;
 	if (p->opcode == MRC_OP_SACK) {
@@ -499,7 +500,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 		if (!ape || !psn_in_window(hi, cack) || !psn_in_window(hi, base) ||
 		    (bitmap && (psn_diff(hi, base + hb) & 0x800000))) {
 			ctr_inc(MRC_C_ING_FB_OOW);
-			return;
+			return 1;
 		}
 		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
 		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq,
@@ -509,7 +510,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 		ape = c->txseq ? psn_sent(cid, hi, get24(h + 13)) : 0;
 		if (!ape) {
 			ctr_inc(MRC_C_ING_FB_OOW);
-			return;
+			return 1;
 		}
 	}
 	key.conn = cid;
@@ -517,12 +518,12 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 	slotp = mrc_evidx.lookup(&key);
 	if (!slotp) {
 		ctr_inc(MRC_C_ING_FB_NO_EV);
-		return;
+		return 0;
 	}
 	slot = *slotp;
 	e = ev_at(cid, slot);
 	if (!e)
-		return;
+		return 0;
 	ec = evctr_of(cid, e);
 
 	if (p->opcode == MRC_OP_SACK) {
@@ -555,6 +556,7 @@ static __always_inline void feedback(struct xdp_md *ctx, struct mrc_pkt *p, stru
 				ctr_inc(MRC_C_ING_FB_SKIP);
 		}
 	}
+	return 0;
 }
 
 static __always_inline void count_rx_data(struct mrc_pkt *p)
@@ -662,10 +664,12 @@ int mrc_ingress(struct xdp_md *ctx)
 			return XDP_DROP;
 		}
 		ctr_inc(MRC_C_ING_SACK);
-		feedback(ctx, &p, cfg);
+		if (feedback(ctx, &p, cfg))
+			return XDP_DROP;
 	} else if (p.opcode == MRC_OP_NACK) {
 		ctr_inc(MRC_C_ING_NACK);
-		feedback(ctx, &p, cfg);
+		if (feedback(ctx, &p, cfg))
+			return XDP_DROP;
 	} else if (p.opcode == MRC_OP_ACK) {
 		ctr_inc(MRC_C_ING_ACK);
 	} else if (p.opcode == MRC_OP_PROBE_REQ) {

@@ -12,6 +12,24 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   visit GOOD EVs (active and backup) in turn; their RTT is recorded per EV (last and
   smoothed, served to ``mrc-xdp top``); ``probe.background_fail`` consecutive unanswered
   probes retire a GOOD EV before data is sent over it.
+- **Busy instances are left to their feedback.** While an instance's spray is sending
+  data or feedback for an engine (spray's data and control counters, less our probes,
+  moved in the last ``BUSY_S``), it gets no background probes (a sender's SACKs test
+  every EV it sprays on, and the datapath retires a dead one within a feedback packet),
+  and its retired EVs are probed at most one every ``BUSY_PROBE_S`` per instance, so
+  they still come back, in turn.  Why (issue 19, measured on the lab): every probe is
+  a frame written into the instance's mrc0 from the daemon's thread, and 20-80 such
+  frames a second during a large transfer (even frames spray passes as not MRC) made
+  the engine's packets leave in bursts that the link models marked and trimmed and
+  that arrived reordered past the datapath's 32-PSN loss rule: 12-24 live EVs of 24
+  retired with no fault at all; with a T1 failed the set then ran empty and spray's
+  last resort sent on the dead EVs (11,000-70,000 packets resent where 700-2,700
+  without the daemon).  A CPU hog of the daemon's size did nothing of the kind; our
+  reading (not proven) is that the frame's transmit on the veth runs mrc0p's NAPI, and
+  every hop after it, on the daemon's CPU instead of inline with the engine's sends.
+- **Run-time connections** (``mrc_xdp.conns``, e.g. a ``send``'s QP) are followed: the
+  instance's state file is re-read when it changes, so their EVs are probed and
+  resurrected like those of the configured connections.
 - **Plane links.** The plane NICs' link state is followed over netlink in the
   instance's namespace.  A NIC that goes down (not IFF_UP or no carrier) takes its
   plane out of rotation: the daemon sets MRC_PF_DOWN in the plane's mrc_planes entry
@@ -58,7 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import bpfsys, conns, maps, netns
-from .shared import EvReason, EvState, ffi
+from .shared import Ctr, EvReason, EvState, ffi
 
 DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
 SOCKET_ENV = "MRC_XDP_DAEMON_SOCKET"
@@ -69,6 +87,8 @@ PROBE_FAIL = EvReason.PROBE_FAIL                                    # background
 TICK = 0.02                 # main loop: ring polls, due probes
 ROWS_S = 0.05               # EV states re-read at most this often per instance
 RESCAN_S = 1.0              # new/removed instances, link resync
+BUSY_S = 0.2                # an instance whose spray sent data this recently is busy ...
+BUSY_PROBE_S = 0.2          # ... and gets at most one probe per this long (module docstring)
 
 IFF_UP, IFF_RUNNING = 0x1, 0x40
 
@@ -591,6 +611,9 @@ class InstanceHealth:
         self.lock = threading.Lock()
         self.rng = random.Random()
         self.resurrected = 0
+        self._state_mtime = self._state_stamp()
+        self.busy = False
+        self._tx_data, self._busy_until, self._busy_next = None, 0.0, 0.0
         if cfg.follow_links and self.planes:
             self._open_netlink()
             self.sync_links()
@@ -713,11 +736,47 @@ class InstanceHealth:
         self._daemon_event(cur, was, state.name, reason)
         return True
 
+    def _state_stamp(self):
+        try:
+            st = os.stat(maps.state_path(self.name))
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _refresh_state(self) -> None:
+        """Re-read the instance's state file when it changed: run-time connections
+        (mrc_xdp.conns) are added to and removed from it."""
+        stamp = self._state_stamp()
+        if stamp is None or stamp == self._state_mtime:
+            return
+        try:
+            with open(maps.state_path(self.name)) as f:
+                self.inst.state = json.load(f)
+            self._state_mtime = stamp
+        except (OSError, ValueError):
+            pass            # being rewritten: next time
+
+    def _busy(self, now: float) -> bool:
+        """Is the instance's spray sending data (see the module docstring)?"""
+        stats = self.inst.map("mrc_stats")
+
+        def ctr(c):
+            raw = stats.lookup(int(c))
+            return sum(bpfsys.sum_u64_percpu(raw)) if raw is not None else 0
+        # data and feedback (SACK/NACK) the engine sent; not our own probes
+        n = ctr(Ctr.SPRAY_DATA) + ctr(Ctr.SPRAY_CTRL) - ctr(Ctr.SPRAY_PROBE)
+        if self._tx_data is not None and n != self._tx_data:
+            self._busy_until = now + BUSY_S
+        self._tx_data = n
+        return now < self._busy_until
+
     def tick(self) -> None:
         if self.prober is None:
             return
         now = time.monotonic()
+        self.busy = self._busy(now)     # every tick: the first probes must not race a start
         if now - self._rows_at >= ROWS_S:
+            self._refresh_state()
             self._rows, self._rows_at = ev_states(self.inst), now
         rows = self._rows
         seen = set()
@@ -732,14 +791,20 @@ class InstanceHealth:
                     st = self.bad[k] = _Probe(now + self._period(0))
                 if st.busy or now < st.next:
                     continue
+                if self.busy:           # one probe per BUSY_PROBE_S: see the module docstring
+                    if now < self._busy_next:
+                        continue
+                    self._busy_next = now + BUSY_PROBE_S
                 st.busy = True
             self.pool.submit(self._probe_bad, r, st)
         with self.lock:
             for k in [k for k, st in self.bad.items() if k not in seen and not st.busy]:
                 del self.bad[k]
-        # background
+        # background: idle instances only (a busy one's feedback tests its EVs)
         dt, self.last_tick = now - self.last_tick, now
         self.bg_credit = min(self.bg_credit + dt * self.cfg.background_per_s, 8.0)
+        if self.busy:
+            self.bg_credit = 0.0
         good = [r for r in rows if r["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False]
         while self.bg_credit >= 1.0 and good:
             self.bg_credit -= 1.0

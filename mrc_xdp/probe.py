@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import json
 import os
 import random
 import socket
@@ -89,6 +90,7 @@ class _Inst:
         self.ns = st.get("netns")
         self.probes = self.inst.map("mrc_probes")
         self.map_id = bpfsys.map_info(self.probes.fd).id
+        self.stamp = self._stamp()
         self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
         self.ev_t1: dict[int, int | None] = {}
 
@@ -101,6 +103,28 @@ class _Inst:
         except OSError as e:
             self.inst.close()
             raise ProbeError("instance %r: cannot open a raw socket on %s: %s" % (name, st["app_dev"], e)) from None
+
+    def _stamp(self):
+        try:
+            st = os.stat(maps.state_path(self.name))
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def refresh(self) -> None:
+        """Re-read the connections when the state file changed: run-time connections
+        (mrc_xdp.conns) come and go, and a freed id may be taken by another peer."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self.stamp:
+            return
+        try:
+            with open(maps.state_path(self.name)) as f:
+                self.inst.state = json.load(f)
+        except (OSError, ValueError):
+            return          # being rewritten: next time
+        self.stamp = stamp
+        self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
+        self.ev_t1 = {}
 
     def current(self) -> bool:
         """Still the loaded instance (not unloaded or reloaded since)?"""
@@ -184,8 +208,7 @@ class Prober:
             if isinstance(conn, tuple):
                 peer, qpn = str(ipaddress.IPv6Address(conn[1])), QPN_PROBE
             else:
-                if conn not in it.conns:
-                    it.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in it.inst.connections()}
+                it.refresh()
                 if conn not in it.conns:
                     raise ProbeError("instance %r has no connection %r" % (name, conn))
                 peer, qpn = it.conns[conn]

@@ -350,3 +350,43 @@ def test_qp_counters_in_stats_status_metrics(eps, pair, qp0):
         json.dump({"instance": pair.ia, "pid": dead.pid, "time": 0, "qps": [dict(mine[0], qpn=0xDEAD)]}, f)
     assert not any(q["qpn"] == 0xDEAD for q in transport.published_qps(pair.ia))
     assert not os.path.exists(stale)
+
+
+def test_forged_nack_outside_window_changes_nothing(eps, pair, qp0):
+    """Issue 15 item 5: a NACK with the access-error reason (UNEXP_EVENT, vendor_info 1)
+    from the peer's address to the sender's QPN put the QP in error whatever its PSN.
+    Now, during a 64 MiB transfer, such NACKs naming PSN 5,000,000 (far outside the sent
+    window) change nothing: sent through the fabric, the sender's ingress counts them
+    ing_fb_oow and drops them; injected past the datapath, straight into the sender's
+    mrc0, its engine ignores them (fb_oow).  The transfer completes intact."""
+    from mrc_xdp.maps import Instance
+    qa, qb = qp0
+    A, B, ma, mb = eps["A"], eps["B"], eps["ma"], eps["mb"]
+    eps["dst"][:] = bytes(BIG)
+    forged = wire.nack_frame(ep_.B_ADDR, ep_.A_ADDR, qa.qpn, 0, 5_000_000, 0x12345678,
+                             reason=wire.NackReason.UNEXP_EVENT, neth={"vendor_info": 1},
+                             smac="02:00:00:00:00:02", dmac="02:00:00:00:00:01")
+
+    def from_fabric():          # B's plane NIC -> A's p0: A's ingress sees it
+        with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+            s.bind(("p0", 0))
+            s.send(forged)
+    with Instance(pair.ia) as inst:
+        oow0 = inst.counters()["ing_fb_oow"]
+    before = A.stats()
+    qa.post_write(78, ma, 0, BIG, mb.addr, mb.rkey, imm=6)
+    for _ in range(10):
+        netns.run(pair.b, from_fabric)
+        _inject(pair.a, forged)
+        time.sleep(0.005)
+    ca, cb = wait_n(A, 1), wait_n(B, 1)
+    assert [(c.wr_id, c.ok) for c in ca] == [(78, True)] and [c.imm for c in cb] == [6], ca
+    assert digest(eps["dst"]) == digest(eps["src"])
+    assert qa.stats()["state_name"] == "rts" and qb.stats()["state_name"] == "rts"
+    after = A.stats()
+    with Instance(pair.ia) as inst:
+        oow = inst.counters()["ing_fb_oow"] - oow0
+    # the pair trims nothing, so every NACK the engine saw is one of ours: the 10
+    # injected into mrc0, not the 10 through the fabric (dropped by ingress)
+    assert oow >= 10 and after["rx_nack"] - before["rx_nack"] == 10, (oow, before, after)
+    assert after["fb_oow"] - before["fb_oow"] >= 10, after

@@ -1321,12 +1321,17 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	int trig_known = 0;
 
 	q->st.sacks_rx++;
+	/* Feedback outside the sent window changes nothing (README's threat model): its
+	 * cumulative ack lies between snd_una and snd_next, so a forged or stale SACK moves
+	 * no state, not even the peer's MPR. */
+	if (psn_sub(cack, q->snd_una) > span) {
+		e->st.fb_oow++;
+		return;
+	}
 	if (m == MRC_M_SKIP_ONCE)
 		q->st.sacks_rx_ecn++;
 	if (h[17])
 		q->peer_mpr = (uint32_t)h[17] * 128 < q->win ? (uint32_t)h[17] * 128 : q->win;
-	if (psn_sub(cack, q->snd_una) > span)
-		return;                          /* stale or foreign: nothing to learn */
 	trig = (cack + aoff) & PSN_MASK;
 	base = (cack + soff) & PSN_MASK;
 	tt = &q->tx[trig & q->mask];
@@ -1397,15 +1402,22 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 {
 	uint32_t psn = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una);
 	uint8_t why = h[2];
-	struct txp *t;
+	struct txp *t = &q->tx[psn & q->mask];
 	uint64_t now;
 
-	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
+	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP)
 		q->st.nacks_rx_trim++;
-		if (psn_sub(psn, q->snd_una) >= span)
-			return;
-		t = &q->tx[psn & q->mask];
-		if (t->psn != psn || t->state != TXP_INFLIGHT)
+	else
+		q->st.nacks_rx_other++;
+	/* A NACK names one PSN we sent and have not seen acknowledged; any other changes
+	 * nothing, whatever its reason (a forger who knows only the QPN must not end the QP). */
+	if (psn_sub(psn, q->snd_una) >= span || t->psn != psn ||
+	    (t->state != TXP_INFLIGHT && t->state != TXP_LOST)) {
+		e->st.fb_oow++;
+		return;
+	}
+	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
+		if (t->state != TXP_INFLIGHT)
 			return;
 		mark_lost(q, t);
 		q->st.rtx_nack_trim++;
@@ -1417,7 +1429,6 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		cc_md(e, q, (uint64_t)e->o.cc_max_md * 1024 / 200, now);
 		return;
 	}
-	q->st.nacks_rx_other++;
 	if (why == MRC_NACK_UNEXP_EVENT && h[3] == MRC_ENG_VI_ACCESS)
 		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
 }

@@ -120,6 +120,7 @@ struct mrc_eng_stats {
 	uint64_t umem_free;         /* TX frames free right now */
 	uint64_t zero_copy;         /* 1 if the socket is bound in zero-copy mode */
 	uint64_t crc_fast;          /* 1: CRC-32 folded with PCLMULQDQ (checked against zlib) */
+	uint64_t fb_oow;            /* SACK/NACK naming a PSN outside the sent window: ignored */
 };
 
 struct mrc_qp_stats {
