@@ -293,6 +293,9 @@ def check_ingress(env, f, l3, ret, out, d):
     if op == Opcode.SACK and frame[bth + 12 + 1] & CONSTS["MRC_SETH_PR"]:   # no probe in flight
         assert (ret, d.get("ing_probe_ans_unknown")) == (XDP_DROP, 1)
         return
+    if d.get("ing_fb_oow"):                     # feedback outside the sent window: dropped
+        assert ret == XDP_DROP and op in (Opcode.SACK, Opcode.NACK) and not d.get("ing_to_engine")
+        return
     assert ret == XDP_REDIRECT
     assert out.hex() == with_macs(frame, *env.engine_macs()).hex()
     assert d["ing_to_engine"] == 1
