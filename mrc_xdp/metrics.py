@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from . import bpfsys, maps
+from . import bpfsys, maps, names
 
 FEEDBACK = ("sack", "nack", "ecn", "trim", "loss", "skipped")
 QP_COUNTERS = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
@@ -95,7 +95,9 @@ class PinsCollector:
     self.asked.at, set by the server when the request came in; else now)."""
 
     def __init__(self, instances: list[str] | None = None):
-        self.instances = instances
+        # a name that cannot be an instance is the caller's error (names.BadName), never a
+        # path under the pin root to look at
+        self.instances = None if instances is None else [names.check_instance(n) for n in instances]
         self.lock = threading.Lock()
         self.last, self.last_began = None, 0.0
         self.asked = threading.local()
@@ -109,7 +111,7 @@ class PinsCollector:
             return self.last
 
     def _read(self) -> list:
-        names = self.instances if self.instances is not None else maps.instances()
+        wanted = self.instances if self.instances is not None else maps.instances()
         ctr = CounterMetricFamily("mrc_counter", "MRC datapath counters (enum mrc_ctr), summed over CPUs.",
                                   labels=["mrc_instance", "counter"])
         evp = CounterMetricFamily("mrc_ev_packets", "Packets sprayed on each EV (path).", labels=EV_LABELS)
@@ -125,7 +127,7 @@ class PinsCollector:
         rxc = CounterMetricFamily("mrc_rx_ev_ce", "Data packets received CE-marked, per sender EV.",
                                   labels=RX_LABELS)
         live = []
-        for name in names:
+        for name in wanted:
             try:
                 with maps.Instance(name) as inst:
                     counters, down = inst.counters(), inst.planes_down()
