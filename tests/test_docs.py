@@ -59,6 +59,13 @@ def test_relative_links_resolve(doc):
 
 
 @pytest.mark.parametrize("doc", DOCS)
+def test_code_fences_are_closed(doc):
+    """An unclosed ``` swallows the rest of the page (and hides its links)."""
+    text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+    assert len(re.findall(r"^```", text, re.M)) % 2 == 0, "%s: a ``` block is not closed" % doc
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_no_paths_outside_the_repository(doc):
     """A user who clones the repository has nothing outside it: no /work/..., no ../shared."""
     text = open(os.path.join(ROOT, doc), encoding="utf-8").read()

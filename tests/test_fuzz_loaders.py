@@ -15,7 +15,7 @@ Inputs, from a fixed seed (MRC_FUZZ_SEED replays another), per loader:
 - text mutations of the examples' TOML (bytes flipped or inserted, invalid UTF-8, lines
   deleted, duplicated or swapped, values replaced by other TOML literals, truncation)
   and random bytes, read through the file loader.
-The examples: the README's host config, the host configs of tests/helpers.py,
+The examples: the host config of docs/config.md, the host configs of tests/helpers.py,
 tests/test_config.py and tests/test_live_pair.py, mrc_xdp/lab/default.toml and the
 topologies of tests/test_lab_topology.py.
 """
@@ -42,14 +42,14 @@ SEED = int(os.environ.get("MRC_FUZZ_SEED", "20260606"))
 N_STRUCT = 2000     # structural mutations per loader
 N_TEXT = 700        # text mutations and random bytes per loader
 MAX_MSG = 400
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+CONFIG_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")
 
 
 # ---------------------------------------------------------------- the examples
 def _readme_host_toml() -> str:
-    text = open(README, encoding="utf-8").read()
-    m = re.search(r"### Host config.*?```toml\n(.*?)```", text, re.S)
-    assert m, "README: no ```toml block under '### Host config'"
+    text = open(CONFIG_DOC, encoding="utf-8").read()
+    m = re.search(r"## Host config.*?```toml\n(.*?)```", text, re.S)
+    assert m, "docs/config.md: no ```toml block under '## Host config'"
     return m.group(1)
 
 
