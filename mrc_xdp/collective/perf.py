@@ -58,13 +58,16 @@ class AllReduce:
         self.dist.all_reduce(self.t, op=self.op)
 
     def wrong(self, opname):
-        vals = [_values(self.torch, self.t.numel(), r, self.torch.float64) for r in range(self.world)]
-        st = self.torch.stack(vals)
+        return _count_wrong(self.torch, self.t, self._reduced(self.t.numel(), slice(None), opname))
+
+    def _reduced(self, n, part, opname):
+        """What op over every rank's _values(n) must give, on elements `part`."""
+        st = self.torch.stack([_values(self.torch, n, r, self.torch.float64) for r in range(self.world)])[:, part]
         want = {"sum": st.sum(0), "avg": st.sum(0) / self.world, "min": st.min(0).values,
                 "max": st.max(0).values}[opname]
         if not self.t.dtype.is_floating_point and opname == "avg":
             want = self.torch.floor(want)
-        return _count_wrong(self.torch, self.t, want)
+        return want
 
     def nbytes(self):
         return self.t.numel() * self.t.element_size()
@@ -79,9 +82,9 @@ class AllGather(AllReduce):
 
     def __init__(self, torch, dist, count, dtype, op, rank, world):
         super().__init__(torch, dist, count, dtype, op, rank, world)
-        per = max(1, count // world)
-        self.inp = torch.empty(per, dtype=dtype)
-        self.t = torch.empty(per * world, dtype=dtype)
+        self.per = max(1, count // world)
+        self.inp = torch.empty(self.per, dtype=dtype)
+        self.t = torch.empty(self.per * world, dtype=dtype)
 
     def fill(self):
         self.inp.copy_(_values(self.torch, self.inp.numel(), self.rank, self.inp.dtype))
@@ -95,35 +98,19 @@ class AllGather(AllReduce):
         return _count_wrong(self.torch, self.t, want)
 
 
-class ReduceScatter(AllReduce):
+class ReduceScatter(AllGather):
     name = "reduce_scatter"
-
-    @staticmethod
-    def factor(n):
-        return (n - 1) / n
 
     def __init__(self, torch, dist, count, dtype, op, rank, world):
         super().__init__(torch, dist, count, dtype, op, rank, world)
-        per = max(1, count // world)
-        self.inp = torch.empty(per * world, dtype=dtype)
-        self.out = torch.empty(per, dtype=dtype)
-        self.t = self.inp
-
-    def fill(self):
-        self.inp.copy_(_values(self.torch, self.inp.numel(), self.rank, self.inp.dtype))
+        self.inp, self.out = self.t, self.inp        # in: world x per (filled), out: per
 
     def run(self):
         self.dist.reduce_scatter_tensor(self.out, self.inp, op=self.op)
 
     def wrong(self, opname):
-        per = self.out.numel()
-        st = self.torch.stack([_values(self.torch, self.inp.numel(), r, self.torch.float64)
-                               for r in range(self.world)])[:, self.rank * per:(self.rank + 1) * per]
-        want = {"sum": st.sum(0), "avg": st.sum(0) / self.world, "min": st.min(0).values,
-                "max": st.max(0).values}[opname]
-        if not self.out.dtype.is_floating_point and opname == "avg":
-            want = self.torch.floor(want)
-        return _count_wrong(self.torch, self.out, want)
+        mine = slice(self.rank * self.per, (self.rank + 1) * self.per)
+        return _count_wrong(self.torch, self.out, self._reduced(self.inp.numel(), mine, opname))
 
 
 class Broadcast(AllReduce):
