@@ -611,7 +611,6 @@ class InstanceHealth:
         self.lock = threading.Lock()
         self.rng = random.Random()
         self.resurrected = 0
-        self._state_mtime = self._state_stamp()
         self.busy = False
         self._tx_data, self._busy_until, self._busy_next = None, 0.0, 0.0
         if cfg.follow_links and self.planes:
@@ -736,26 +735,6 @@ class InstanceHealth:
         self._daemon_event(cur, was, state.name, reason)
         return True
 
-    def _state_stamp(self):
-        try:
-            st = os.stat(maps.state_path(self.name))
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
-    def _refresh_state(self) -> None:
-        """Re-read the instance's state file when it changed: run-time connections
-        (mrc_xdp.conns) are added to and removed from it."""
-        stamp = self._state_stamp()
-        if stamp is None or stamp == self._state_mtime:
-            return
-        try:
-            with open(maps.state_path(self.name)) as f:
-                self.inst.state = json.load(f)
-            self._state_mtime = stamp
-        except (OSError, ValueError):
-            pass            # being rewritten: next time
-
     def _busy(self, now: float) -> bool:
         """Is the instance's spray sending data (see the module docstring)?"""
         stats = self.inst.map("mrc_stats")
@@ -776,7 +755,7 @@ class InstanceHealth:
         now = time.monotonic()
         self.busy = self._busy(now)     # every tick: the first probes must not race a start
         if now - self._rows_at >= ROWS_S:
-            self._refresh_state()
+            self.inst.reload_state()
             self._rows, self._rows_at = ev_states(self.inst), now
         rows = self._rows
         seen = set()

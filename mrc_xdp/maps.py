@@ -331,6 +331,14 @@ def set_ev_state(evs, evidx, cid: int, ev: int, state: EvState,
 
 # ---------------------------------------------------------------- reading
 
+def _file_stamp(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 class Instance:
     """A loaded datapath, through its pins. Usable from any process."""
 
@@ -345,11 +353,26 @@ class Instance:
                 name, " (loaded: %s)" % ", ".join(instances()) if instances() else ""))
         self._maps: dict[str, bpfsys.Map] = {}
         self._evop: int | None = None
+        self._state_stamp = _file_stamp(state_path(name))
         try:
             with open(state_path(name)) as f:
                 self.state = json.load(f)
         except (FileNotFoundError, ValueError):
             self.state = {}
+
+    def reload_state(self) -> bool:
+        """Re-read the state file if it changed since it was read (run-time connections,
+        mrc_xdp.conns, are added to and removed from it).  True when it was re-read."""
+        stamp = _file_stamp(state_path(self.name))
+        if stamp is None or stamp == self._state_stamp:
+            return False
+        try:
+            with open(state_path(self.name)) as f:
+                self.state = json.load(f)
+        except (OSError, ValueError):
+            return False        # being rewritten: next time
+        self._state_stamp = stamp
+        return True
 
     def map(self, name: str) -> bpfsys.Map:
         if name not in self._maps:

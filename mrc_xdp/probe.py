@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import os
 import random
 import socket
@@ -90,7 +89,6 @@ class _Inst:
         self.ns = st.get("netns")
         self.probes = self.inst.map("mrc_probes")
         self.map_id = bpfsys.map_info(self.probes.fd).id
-        self.stamp = self._stamp()
         self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
         self.ev_t1: dict[int, int | None] = {}
 
@@ -104,25 +102,11 @@ class _Inst:
             self.inst.close()
             raise ProbeError("instance %r: cannot open a raw socket on %s: %s" % (name, st["app_dev"], e)) from None
 
-    def _stamp(self):
-        try:
-            st = os.stat(maps.state_path(self.name))
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
     def refresh(self) -> None:
         """Re-read the connections when the state file changed: run-time connections
         (mrc_xdp.conns) come and go, and a freed id may be taken by another peer."""
-        stamp = self._stamp()
-        if stamp is None or stamp == self.stamp:
+        if not self.inst.reload_state():
             return
-        try:
-            with open(maps.state_path(self.name)) as f:
-                self.inst.state = json.load(f)
-        except (OSError, ValueError):
-            return          # being rewritten: next time
-        self.stamp = stamp
         self.conns = {c["id"]: (c["peer"], c["remote_qpn"]) for c in self.inst.connections()}
         self.ev_t1 = {}
 

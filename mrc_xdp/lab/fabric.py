@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 
-from .. import names, netns
+from .. import conns, names, netns
 from ..maps import PIN_ROOT, STATE_DIR
 from . import linkmodel as lmod
 from .executor import NetnsNode
@@ -190,16 +190,7 @@ def overlapping(prefix: str) -> list[str]:
     return sorted(p for p in lab_states() if p != prefix and (p.startswith(prefix) or prefix.startswith(p)))
 
 
-def _proc_start(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of a live, non-zombie process; None if gone."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            rest = f.read().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    if rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
+_proc_start = conns.proc_start     # a live process's start time: (pid, start) names it
 
 
 def worker_record(pid: int) -> dict:
