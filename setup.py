@@ -6,21 +6,21 @@ bcc's Python module exists only as Debian's python3-bpfcc, so it is not (and mus
 never be) listed as a dependency: PyPI's "bcc" is an unrelated package.
 
 The BPF sources in bpf/ are data of the package.  In the editable install (the one
-this project uses) mrc_xdp/shared.py finds them as bpf/, the sibling of the package
+this project uses) mrc_xdp/datapath/shared.py finds them as bpf/, the sibling of the package
 directory.  A built wheel carries the same files as mrc_xdp/bpf/ (package_dir below).
 """
 from setuptools import find_packages, setup
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 
 # ---------------------------------------------------------------------------------
-# C extension: the transport engine (mrc_xdp/engine/engine.c, AF_XDP via libxdp, zlib's
-# CRC-32), built with cffi in API mode at install time by mrc_xdp/engine/build.py into
-# mrc_xdp/_engine*.so (cffi's setuptools hook, from Debian's python3-cffi, builds it in
+# C extension: the transport engine (mrc_xdp/transport/engine/engine.c, AF_XDP via libxdp, zlib's
+# CRC-32), built with cffi in API mode at install time by mrc_xdp/transport/engine/build.py into
+# mrc_xdp/transport/_engine*.so (cffi's setuptools hook, from Debian's python3-cffi, builds it in
 # place for the editable install).  Its sources are in STAMP_INPUTS of scripts/setup.sh,
 # so `make setup` rebuilds it when they change.  .gitignore covers the generated
-# /mrc_xdp/_engine*.c and *.so.
-CFFI_MODULES: list[str] = ["mrc_xdp/engine/build.py:ffibuilder"]
+# /mrc_xdp/transport/_engine*.c and *.so.
+CFFI_MODULES: list[str] = ["mrc_xdp/transport/engine/build.py:ffibuilder"]
 # ---------------------------------------------------------------------------------
 
 extra = {}
@@ -40,7 +40,7 @@ setup(
     packages=find_packages(include=["mrc_xdp", "mrc_xdp.*"]) + ["mrc_xdp.bpf"],
     package_dir={"mrc_xdp.bpf": "bpf"},
     package_data={"mrc_xdp.bpf": ["*.h", "*.c"], "mrc_xdp.lab": ["*.toml"],
-                  "mrc_xdp.engine": ["*.h", "*.c"]},
+                  "mrc_xdp.transport.engine": ["*.h", "*.c"]},
     include_package_data=False,
     zip_safe=False,
     # Debian packages provide these (python3-cffi, python3-pyroute2, python3-scapy) and

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .collective import CollectiveError, Communicator, TorchStore
+from mrc_xdp.collective import CollectiveError, Communicator, TorchStore
 
 BACKEND = "mrc"
 

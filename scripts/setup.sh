@@ -44,7 +44,7 @@ if [ "${MRC_SETUP_EXTRAS:-1}" = 0 ]; then
     APT_PKGS=("${keep[@]}")
 fi
 # Kernel headers for bcc: a host with a headers tree for its running kernel is left
-# alone; otherwise Debian's linux-headers-<arch> is merged by mrc_xdp.kheaders.
+# alone; otherwise Debian's linux-headers-<arch> is merged by mrc_xdp.datapath.kheaders.
 KBUILD=/lib/modules/$(uname -r)/build
 if [ ! -e "$KBUILD/include/linux/kconfig.h" ]; then
     APT_PKGS+=("linux-headers-$(dpkg --print-architecture)")
@@ -54,9 +54,9 @@ apt_ensure /var/log/mrc-xdp-setup-apt.log "${APT_PKGS[@]}"
 
 # ---------------------------------------------------------------- kernel headers
 # Prints the tree bcc should use; builds the merged tree under /var/cache/mrc-xdp
-# when the running kernel has none.  The library calls mrc_xdp.kheaders.ensure()
+# when the running kernel has none.  The library calls mrc_xdp.datapath.kheaders.ensure()
 # itself at run time, so nothing needs to be exported for later commands.
-BCC_KERNEL_SOURCE=$("$PY" -m mrc_xdp.kheaders) \
+BCC_KERNEL_SOURCE=$("$PY" -m mrc_xdp.datapath.kheaders) \
     || die "no kernel headers tree for bcc (see above); install linux-headers-$(dpkg --print-architecture) or set BCC_KERNEL_SOURCE"
 export BCC_KERNEL_SOURCE
 say "kernel headers for bcc: $BCC_KERNEL_SOURCE"
@@ -91,12 +91,12 @@ fi
 # Editable install: reinstalled only when its inputs change (setup.py, pyproject.toml,
 # PIP_PKGS, the sources of the cffi-built transport engine), or when the engine's
 # compiled module is missing.
-STAMP_INPUTS=(setup.py pyproject.toml mrc_xdp/engine/engine.c mrc_xdp/engine/engine.h
-              mrc_xdp/engine/build.py)
+STAMP_INPUTS=(setup.py pyproject.toml mrc_xdp/transport/engine/engine.c mrc_xdp/transport/engine/engine.h
+              mrc_xdp/transport/engine/build.py)
 stamp=$VENV/.mrc-xdp-installed
 want=$( { for f in "${STAMP_INPUTS[@]}"; do [ -f "$f" ] && cat "$f"; done; echo "${PIP_PKGS[*]-}"; } \
         | sha256sum | cut -d' ' -f1)
-engine_so=$(compgen -G "mrc_xdp/_engine*.so" || true)
+engine_so=$(compgen -G "mrc_xdp/transport/_engine*.so" || true)
 # (the entry point's metadata is mrc_xdp.egg-info in the tree: gone after a `git clean -x`)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -e "$VENV/bin/mrc-xdp" ] || [ -z "$engine_so" ] \
         || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("mrc-xdp")' 2>/dev/null; then
@@ -131,7 +131,7 @@ if not bcc.__file__.startswith("/usr/lib/python3/dist-packages/"):
              % bcc.__file__)
 try:
     import mrc_xdp  # noqa: F401
-    import mrc_xdp._engine  # noqa: F401
+    import mrc_xdp.transport._engine  # noqa: F401
 except Exception as e:
     sys.exit("setup: error: .venv cannot import mrc_xdp or its transport engine (%s: %s): "
              "run make clean && make setup" % (type(e).__name__, e))

@@ -23,7 +23,7 @@ NS_PREFIX = "mrct1-"
 
 def _reap_stale_namespaces() -> None:
     """Remove namespaces left by earlier sessions that were killed (their pid is gone)."""
-    from mrc_xdp import netns
+    from mrc_xdp.datapath import netns
     for name in netns.list_names(NS_PREFIX):
         pid = name[len(NS_PREFIX):]
         if pid.isdigit() and not os.path.exists("/proc/%s" % pid):
@@ -43,7 +43,7 @@ def dp_env():
         import bcc  # noqa: F401
     except ImportError as e:   # a set-up problem, not a missing kernel feature: fail loudly
         pytest.fail("bcc is not importable (%s): run `make setup`" % e, pytrace=False)
-    from mrc_xdp import netns
+    from mrc_xdp.datapath import netns
 
     _reap_stale_namespaces()
     env = helpers.Env("%s%d" % (NS_PREFIX, os.getpid()))

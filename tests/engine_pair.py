@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from mrc_xdp import netns
+from mrc_xdp.datapath import netns
 
 A_ADDR, B_ADDR = "fd00:78::a", "fd00:78::b"
 CONNS = [(0x2A0 + i, 0x2B0 + i) for i in range(4)]      # (A's QPN, B's QPN)

@@ -13,7 +13,7 @@ import json
 import os
 import uuid
 
-from mrc_xdp import netns
+from mrc_xdp.datapath import netns
 
 
 def _ip(ns, *args):

@@ -110,7 +110,7 @@ def heal_all(lab):
 
 
 def ev_rows(lab, host, peer=None):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + host) as inst:
         rows = inst.ev_table()
     return [r for r in rows if peer is None or r["conn_name"] == peer]
@@ -145,7 +145,7 @@ class Daemon:
         self.p = subprocess.Popen([CLI, "daemon", "--config", self.cfg], stdout=self.logf, stderr=self.logf)
         if wait:
             deadline = time.monotonic() + 20
-            from mrc_xdp import health
+            from mrc_xdp.health import daemon as health
             while time.monotonic() < deadline:
                 st = health.status(self.sock)
                 if st and all(n in st["instances"] for n in self.instances()):
@@ -159,7 +159,7 @@ class Daemon:
         return [self.lab["prefix"] + h.name for h in self.lab["topo"].hosts]
 
     def status(self):
-        from mrc_xdp import health
+        from mrc_xdp.health import daemon as health
         return health.status(self.sock)
 
     def text(self):
@@ -177,7 +177,7 @@ class Daemon:
 
     def events(self, instance=None):
         """The daemon's history (of one instance) as dicts."""
-        from mrc_xdp import health
+        from mrc_xdp.health import daemon as health
         g = health.request_lines({"op": "events", "instance": instance, "follow": False}, self.sock)
         return list(g) if g is not None else []
 
@@ -193,5 +193,5 @@ def wait_for(pred, timeout, step=0.02):
 
 
 def link_set(lab, host, dev, up: bool):
-    from mrc_xdp import netns
+    from mrc_xdp.datapath import netns
     netns.run_cmd(lab["prefix"] + host, ["ip", "link", "set", dev, "up" if up else "down"])

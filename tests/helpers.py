@@ -24,9 +24,9 @@ from scapy.layers.inet import UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 
-from mrc_xdp import bpfsys, netns, shared, wire
-from mrc_xdp.config import HostConfig
-from mrc_xdp.shared import Ctr, EvState, Opcode, const, ffi
+from mrc_xdp.datapath import bpfsys, netns, shared, wire
+from mrc_xdp.datapath.config import HostConfig
+from mrc_xdp.datapath.shared import Ctr, EvState, Opcode, const, ffi
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 
@@ -309,8 +309,8 @@ class Env:
 
     # -- set-up / tear-down
     def setup(self) -> None:
-        from mrc_xdp import loader
-        from mrc_xdp.maps import DevInfo
+        from mrc_xdp.datapath import loader
+        from mrc_xdp.datapath.maps import DevInfo
 
         netns.create(self.ns)
         for a, b in VETHS:
@@ -351,7 +351,7 @@ class Env:
     # -- configuration and state
     def use(self, mode: str) -> "Env":
         """Every configuration map from CONFIGS[mode]; all run-time state zeroed."""
-        from mrc_xdp.maps import write_all
+        from mrc_xdp.datapath.maps import write_all
 
         cfg = CONFIGS[mode]
         m = self.maps
@@ -457,7 +457,7 @@ class Env:
     def set_state(self, cid: int, ev: int, state: EvState) -> None:
         """An operator's deny/allow: the library's own function, on this build's maps and
         its mrc_evop program."""
-        from mrc_xdp import maps as libmaps
+        from mrc_xdp.datapath import maps as libmaps
         libmaps.set_ev_state(self.maps["mrc_evs"], self.maps["mrc_evidx"], cid, ev, state,
                              evop_fd=self.dp.fd("evop"))
 

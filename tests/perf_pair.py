@@ -7,8 +7,8 @@ import json
 import os
 import uuid
 
-from mrc_xdp import loader, netns
-from mrc_xdp.config import HostConfig
+from mrc_xdp.datapath import loader, netns
+from mrc_xdp.datapath.config import HostConfig
 
 A_ADDR, B_ADDR = "fd00:7a::a", "fd00:7a::b"
 A_CTL, B_CTL = "fd00:7a:1::a", "fd00:7a:1::b"

@@ -1,4 +1,4 @@
-"""The out-of-band bootstrap (mrc_xdp.bootstrap): JSON lines over TCP, its errors, and
+"""The out-of-band bootstrap (mrc_xdp.transport.bootstrap): JSON lines over TCP, its errors, and
 the lab's control path (TCP between hosts over the fabric, through every host's XDP)."""
 import os
 import socket
@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from mrc_xdp import bootstrap as bs
+from mrc_xdp.transport import bootstrap as bs
+from mrc_xdp.lab import ctlpath
 
 ATTRS = {"addr": "fd00:100::1", "qpn": 0x123, "start_psn": 77, "mtu": 1408,
          "mr": {"addr": 0x7f0000001000, "length": 1 << 20, "rkey": 5}}
@@ -109,8 +110,8 @@ def test_lab_control_path(ecmp_lab):
     their loaded datapaths and the fabric (the uplinks' link models count the frames)."""
     from mrc_xdp.lab import linkmodel as lmod
     prefix, topo, st = ecmp_lab
-    addrs = bs.lab_control_path(prefix, topo)
-    assert bs.lab_control_path(prefix, topo) == addrs         # idempotent
+    addrs = ctlpath.lab_control_path(prefix, topo)
+    assert ctlpath.lab_control_path(prefix, topo) == addrs         # idempotent
     ends = {name: rx.ifindex for name, rx, _, _ in topo.link_ends()}
     with lmod.LinkModel.open(st["pin_dir"]) as lm:
         for p in range(topo.planes):
@@ -121,7 +122,7 @@ def test_lab_control_path(ecmp_lab):
             assert got["qpn"] == 0x456 and out["peer"]["qpn"] == ATTRS["qpn"]
             assert sum(lm.counters(i)["pkts"] for i in ups) - before >= 4, "plane %d" % p
     # a host's own datapath saw the TCP frames and passed them unchanged
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(prefix + "h0") as inst:
         c = inst.counters()
         assert c["ing_non_mrc"] > 0

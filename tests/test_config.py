@@ -1,7 +1,7 @@
 """Host config: explicit EV sets (as the ECMP lab's EV discovery writes them)."""
 import pytest
 
-from mrc_xdp.config import ConfigError, HostConfig
+from mrc_xdp.datapath.config import ConfigError, HostConfig
 
 PLANES = [{"dev": "p0", "gateway_mac": "02:00:00:00:00:01"}, {"dev": "p1", "gateway_mac": "02:00:00:00:00:02"}]
 
@@ -44,8 +44,8 @@ def test_explicit_evs_are_validated(kw, msg):
 def test_loss_window_knobs():
     """The time-based loss rule's reorder window: floor (us) and min-RTT divisor, with
     defaults, validated to one-line errors."""
-    from mrc_xdp.config import LOSS_WINDOW_US
-    from mrc_xdp.shared import const
+    from mrc_xdp.datapath.config import LOSS_WINDOW_US
+    from mrc_xdp.datapath.shared import const
     c = HostConfig.from_dict(conf())
     assert (c.loss_window_us, c.loss_window_div) == (LOSS_WINDOW_US, 4)
     c = HostConfig.from_dict(dict(conf(), loss_window_us=50, loss_window_div=0))

@@ -1,4 +1,4 @@
-"""Tier 2: connections added to and removed from a running datapath (mrc_xdp.conns).
+"""Tier 2: connections added to and removed from a running datapath (mrc_xdp.transport.conns).
 
 Two namespaces back to back, both loaded (as test_live_pair's pair), each with one
 connection from its config.  A connection added at run time is sprayed like a loaded one;
@@ -14,9 +14,10 @@ import uuid
 
 import pytest
 
-from mrc_xdp import conns, loader, netns, wire
-from mrc_xdp.config import HostConfig
-from mrc_xdp.maps import Instance
+from mrc_xdp.transport import conns
+from mrc_xdp.datapath import loader, netns, wire
+from mrc_xdp.datapath.config import HostConfig
+from mrc_xdp.datapath.maps import Instance
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
 
@@ -190,7 +191,7 @@ def test_concurrent_add_remove(pair):
 
 def _probe_idx(inst, peer):
     """Connection id the QPN 0x2 (connectionless probe) index keys of peer name, per direction."""
-    from mrc_xdp.maps import QPN_PROBE, conn_key
+    from mrc_xdp.datapath.maps import QPN_PROBE, conn_key
     m = conns._Maps(inst)
     try:
         out = []
@@ -278,7 +279,7 @@ def test_connections_of_a_killed_endpoint_are_reaped(pair):
 def test_health_daemon_reaps_connections_of_processes_gone(pair):
     """The health daemon's rescan reaps too (no endpoint need open again), and logs it."""
     import subprocess
-    from mrc_xdp import health
+    from mrc_xdp.health import daemon as health
     ia = pair["ia"]
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -18,9 +18,9 @@ import threading
 import time
 
 from helpers import ACTIVE_MAX, CONN_A, SLOTS, data
-from mrc_xdp import bpfsys, netns
-from mrc_xdp import maps as libmaps
-from mrc_xdp.shared import EvReason, EvState, SackM
+from mrc_xdp.datapath import bpfsys, netns
+from mrc_xdp.datapath import maps as libmaps
+from mrc_xdp.datapath.shared import EvReason, EvState, SackM
 
 SECONDS = 3.0              # both threads run this long, side by side
 

@@ -19,8 +19,8 @@ import pytest
 
 from helpers import (ACTIVE_MAX, CONN_A, CONN_B, LOSS_REORDER, PEER_B, QPN_A_REMOTE,
                      QPN_B_LOCAL, STRANGER, XDP_DROP, XDP_REDIRECT, data, delta, with_macs, xdp_name)
-from mrc_xdp import wire
-from mrc_xdp.shared import EvReason, EvState, NackReason, SackM, const
+from mrc_xdp.datapath import wire
+from mrc_xdp.datapath.shared import EvReason, EvState, NackReason, SackM, const
 
 ING_FB = {"ing_rx": 1, "ing_to_engine": 1}
 ING_OOW = {"ing_rx": 1, "ing_fb_oow": 1}    # outside the sent window: counted, dropped
@@ -416,7 +416,7 @@ def _spray_stamped(env, ts_of, psn0=PSN0, n=NPSN):
 
 
 def _conn_rt(env, cid=CONN_A):
-    from mrc_xdp import shared
+    from mrc_xdp.datapath import shared
     return shared.from_bytes("struct mrc_conn", env.maps["mrc_conns"].lookup(cid))
 
 
@@ -548,7 +548,7 @@ def test_time_window_adapts_to_the_rtt(ecmp):
 def test_retirements_counted_by_why(ecmp):
     """User space's retirements through mrc_evop: an operator deny (retire_operator), the
     daemon's failed probes (retire_probe); an allow is no retirement."""
-    from mrc_xdp import maps as libmaps
+    from mrc_xdp.datapath import maps as libmaps
     env = ecmp
     x, y = _plane_ev(env, CONN_A, 0, 1), _plane_ev(env, CONN_A, 1, 2)
     before = env.counters()
@@ -704,7 +704,7 @@ def test_loss_not_blamed_on_the_retransmission_ev(ecmp):
 
 
 def _set_lock(env, cid, value):
-    from mrc_xdp import shared
+    from mrc_xdp.datapath import shared
     raw = env.maps["mrc_conns"].lookup(cid)
     c = shared.from_bytes("struct mrc_conn", raw)
     c.lock = value
@@ -934,14 +934,14 @@ def test_issue6_forged_sack_burst_retires_nothing(ecmp):
 
 
 def test_lab_receiver_feedback_is_always_inside_the_window(ecmp):
-    """The lab receiver's SACKs (mrc_xdp.traffic._RxConn: cumulative ack, bitmap ending
+    """The lab receiver's SACKs (mrc_xdp.lab.traffic._RxConn: cumulative ack, bitmap ending
     at the newest arrival, holes given up GIVE_UP PSNs behind it) for a stream with one
     path blackholed: never ing_fb_oow, even while the cumulative ack lags more than
     MRC_PSN_RING behind; the blackholed EV is retired from the bitmaps.  Frames are
     patched templates, as the lab's sender and receiver do (ICRC left stale: neither
     program checks it)."""
-    from mrc_xdp import bpfsys
-    from mrc_xdp.traffic import BTH, EXT, GIVE_UP, _RxConn
+    from mrc_xdp.datapath import bpfsys
+    from mrc_xdp.lab.traffic import BTH, EXT, GIVE_UP, _RxConn
     env = ecmp
     rx = _RxConn(QPN_A_REMOTE)
     psn0, n = 0xFFFFFF - 600, 1800                  # across the 2^24 wrap, too

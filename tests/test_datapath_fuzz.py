@@ -29,8 +29,8 @@ from helpers import (CONN_A, CONN_B, DSCP_CTRL, DSCP_DATA, DSCP_RTX, ETH, HOP_LI
                      XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX, addr, decap, delta, frame_of,
                      probe_answer,
                      spray_rewrite, srv6_da, srv6_push, with_macs, xdp_name)
-from mrc_xdp import wire
-from mrc_xdp.shared import CONSTS, NackReason, Opcode, SackM
+from mrc_xdp.datapath import wire
+from mrc_xdp.datapath.shared import CONSTS, NackReason, Opcode, SackM
 
 SEED = int(os.environ.get("MRC_FUZZ_SEED", "4791"))
 N_RANDOM = int(os.environ.get("MRC_FUZZ_N", "6000"))   # mutated frames per mode

@@ -14,8 +14,8 @@ from helpers import (CONN_A, CONN_B, LOCAL, LOCAL_SID, MAX_CONNS, PEER_A, PEER_B
                      QPN_A_LOCAL, QPN_A_REMOTE, QPN_B_LOCAL, SRV6_BLOCK, STRANGER,
                      XDP_DROP, XDP_PASS, XDP_REDIRECT, decap, frame_of, srv6_push, with_macs,
                      xdp_name)
-from mrc_xdp import wire
-from mrc_xdp.shared import EvState, NackReason, Opcode, SackM
+from mrc_xdp.datapath import wire
+from mrc_xdp.datapath.shared import EvState, NackReason, Opcode, SackM
 
 KIND_CTR = {"data": "ing_data", "sack": "ing_sack", "nack": "ing_nack", "ack": "ing_ack",
             "probe": "ing_probe", "ep_req": "ing_other", "ep_resp": "ing_other"}

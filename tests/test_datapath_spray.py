@@ -1,6 +1,6 @@
 """Tier 1: the spray program (engine -> fabric) through BPF_PROG_TEST_RUN.
 
-Each case: an input frame built with mrc_xdp.wire / scapy, the expected verdict, the
+Each case: an input frame built with mrc_xdp.datapath.wire / scapy, the expected verdict, the
 expected output bytes (computed in tests/helpers.py independently of the datapath: field
 rewrites by hand, ICRC by zlib over the masked packet, UDP checksum recomputed, SRv6
 destination from the template by wire.usid_address) and the exact counter deltas.
@@ -15,8 +15,8 @@ from helpers import (CONN_A, CONN_B, DSCP_CTRL, DSCP_DATA, DSCP_RTX, HOP_LIMIT, 
                      PEER_A, PEER_B, QPN_A_LOCAL, QPN_A_REMOTE, SRV6_SRC, STRANGER,
                      TEMPLATES, XDP_DROP, XDP_REDIRECT, data, frame_of,
                      set_flowlabel, spray_rewrite, srv6_da, srv6_push, xdp_name)
-from mrc_xdp import wire
-from mrc_xdp.shared import EvState, Opcode, SackM, const
+from mrc_xdp.datapath import wire
+from mrc_xdp.datapath.shared import EvState, Opcode, SackM, const
 
 DATA_OPS = [Opcode.WRITE_FIRST, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST,
             Opcode.WRITE_LAST_IMM, Opcode.WRITE_ONLY, Opcode.WRITE_ONLY_IMM]
@@ -216,7 +216,7 @@ def test_spray_last_resort_on_a_retired_ev(ecmp):
 
 
 def test_spray_plane_without_nic_drops(ecmp):
-    from mrc_xdp import shared
+    from mrc_xdp.datapath import shared
     for p in (0, 1):
         pl = shared.from_bytes("struct mrc_plane", ecmp.maps["mrc_planes"].lookup(p))
         pl.ifindex = 0
@@ -270,7 +270,7 @@ def test_spray_srv6_encapsulates(srv6, cid, kind, kw):
 
 
 def test_spray_srv6_missing_template_drops(srv6):
-    from mrc_xdp import shared
+    from mrc_xdp.datapath import shared
     srv6.maps["mrc_srv6"].update(0, bytes(shared.sizeof("struct mrc_srv6_tmpl")))
     ret, out, d = srv6.run_counted("spray", data(1))
     assert ret == XDP_DROP
@@ -328,7 +328,7 @@ def _spray_many(env, n, psn0=0):
     plane_n = collections.Counter()
     macs = {p: env.plane_macs(p) for p in (0, 1)}
     fd = env.dp.fd("spray")
-    from mrc_xdp import bpfsys
+    from mrc_xdp.datapath import bpfsys
     run = bpfsys.prog_test_run
     for i in range(n):
         psn = (psn0 + i) & 0xFFFFFF
@@ -408,9 +408,9 @@ def _use_planes(env, nplanes):
     2.. reuse the devices of 0 and 1 (a test run redirects nowhere) with MACs of their
     own, so every output frame still says which plane sent it."""
     from helpers import GW_MACS, _conf
-    from mrc_xdp import netns
-    from mrc_xdp.config import HostConfig
-    from mrc_xdp.maps import DevInfo, write_all
+    from mrc_xdp.datapath import netns
+    from mrc_xdp.datapath.config import HostConfig
+    from mrc_xdp.datapath.maps import DevInfo, write_all
     env.use("ecmp")                     # zero every run-time state
     d = _conf("ecmp")
     d["planes"] = [{"dev": "p%d" % p, "gateway_mac": "02:6d:72:00:%02x:01" % (p + 1)} for p in range(nplanes)]
@@ -441,7 +441,7 @@ def test_spray_plane_out_of_rotation_shares_equally(datapath, down):
     the planes that are up carry exactly equal shares (round robin on one CPU), every EV
     of theirs equally, none of a down plane's EVs is used and no EV changes state; put
     back, the plane takes its equal share again."""
-    from mrc_xdp import maps as libmaps
+    from mrc_xdp.datapath import maps as libmaps
     from helpers import data as data_frame
     env = datapath
     _use_planes(env, N_PLANES4)
@@ -477,7 +477,7 @@ def test_spray_plane_out_of_rotation_shares_equally(datapath, down):
 def test_spray_plane_taken_out_by_the_operator(datapath):
     """MRC_PF_ADMIN (`mrc-xdp plane out`) takes a plane out like MRC_PF_DOWN; the two bits
     are separate: the daemon clearing its link flag does not put it back."""
-    from mrc_xdp import maps as libmaps
+    from mrc_xdp.datapath import maps as libmaps
     env = datapath
     _use_planes(env, N_PLANES4)
     admin, down = const("MRC_PF_ADMIN"), const("MRC_PF_DOWN")
@@ -498,7 +498,7 @@ def test_spray_plane_out_of_rotation_fallback_and_all_down(datapath):
     robin goes on after that one, so planes 1 and 2 share equally.  Plane 1 down as well:
     plane 0's turns fall through to the next plane that is up (2), never to 1.  Every
     plane down: dropped, no_ev."""
-    from mrc_xdp import maps as libmaps
+    from mrc_xdp.datapath import maps as libmaps
     env = datapath
     _use_planes(env, 3)
     for s in env.ev_sets(CONN_A)[0][0]:

@@ -4,7 +4,7 @@ verification limit, or a small change (or another kernel's verifier) tips them o
 Spray once needed 799k verified instructions (one loop exit per EV try, one state per
 opcode); this keeps such growth from creeping back unnoticed.
 """
-from mrc_xdp import bpfsys
+from mrc_xdp.datapath import bpfsys
 
 LIMIT = 1_000_000
 HEADROOM = 0.5          # each program may use at most half of the limit

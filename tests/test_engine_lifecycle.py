@@ -132,7 +132,7 @@ def test_frames_on_the_wire(pair):
     wire.py dissects it, with a valid ICRC, RETH on every packet (VA of the packet,
     R_Key, the message's length), ImmDt and AckReq on the last one."""
     import socket
-    from mrc_xdp import bpfsys, maps, netns, wire
+    from mrc_xdp.datapath import bpfsys, maps, netns, wire
     from mrc_xdp.lab import linkmodel as lmod
     ix = netns.run(pair.a, socket.if_nametoindex, "mrc0p")
     spray = bpfsys.obj_get(os.path.join(maps.pin_dir(pair.ia), "prog_spray"))

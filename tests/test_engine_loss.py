@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from mrc_xdp import bpfsys, maps, transport
+from mrc_xdp.datapath import bpfsys, maps
+from mrc_xdp import transport
 from mrc_xdp.lab import linkmodel as lmod
 
 import engine_pair as ep_

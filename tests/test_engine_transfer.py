@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from mrc_xdp import netns, transport, wire
+from mrc_xdp.datapath import netns, wire
+from mrc_xdp import transport
 
 import engine_pair as ep_
 
@@ -359,7 +360,7 @@ def test_forged_nack_outside_window_changes_nothing(eps, pair, qp0):
     window) change nothing: sent through the fabric, the sender's ingress counts them
     ing_fb_oow and drops them; injected past the datapath, straight into the sender's
     mrc0, its engine ignores them (fb_oow).  The transfer completes intact."""
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     qa, qb = qp0
     A, B, ma, mb = eps["A"], eps["B"], eps["ma"], eps["mb"]
     eps["dst"][:] = bytes(BIG)

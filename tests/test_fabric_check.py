@@ -34,9 +34,9 @@ FAULTS = [("fail", "p0t1s0", "p0t1s0"), ("fail", "p0t1s1", "p0t1s1"), ("fail", "
 def lab(request):
     if os.geteuid() != 0:
         pytest.skip("the lab needs root")
-    from mrc_xdp import health
+    from mrc_xdp.health import daemon as health
     if health.load_prober() is None:
-        pytest.skip("needs probes answered in the datapath (mrc_xdp.probe)")
+        pytest.skip("needs probes answered in the datapath (mrc_xdp.health.probe)")
     with H.lab_up(request.param, "fc", TOPO3, endpoints=()) as lab:
         yield lab
 
@@ -77,7 +77,7 @@ def test_single_fault(lab, how, target, expect):
 def test_default_topology_ambiguity():
     """Two T0s per plane: a dead T1 and its two links explain the same lost probes; the
     check says so (three suspects sharing the confidence, one group) instead of guessing."""
-    from mrc_xdp import fabriccheck as fc
+    from mrc_xdp.health import fabriccheck as fc
     from mrc_xdp.lab import topology
     topo = topology.load(mode="ecmp")
     m = fc.LabModel("x-", topo)

@@ -1,4 +1,4 @@
-"""The demo's phase 3 (mrc_xdp.demo.failover) on a lab of its own: h0 RDMA-Writes the
+"""The demo's phase 3 (mrc_xdp.lab.demo.failover) on a lab of its own: h0 RDMA-Writes the
 demo's 104 MiB to h2 and a T1 of plane 0 fails once 30% is acknowledged.
 
 - the goodput time line is the transfer as it ran: every interval before the failure's
@@ -24,7 +24,7 @@ def lab():
     from mrc_xdp import transport
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     prefix = "fd%s-" % uuid.uuid4().hex[:4]
     try:
         st = fabric.up(topology.load(mode="srv6"), prefix=prefix, hosts_hook=hosts.fabric_hook)
@@ -41,7 +41,7 @@ def _show(rows):
 
 
 def test_failover_time_line_and_reaction(lab):
-    from mrc_xdp import demo
+    from mrc_xdp.lab import demo
     topo, lm, inst, ep_s, ep_d = lab
     size = 4 * ((20000 * ep_s.payload) >> 20 << 20)        # the demo's phase 3, default --packets
     before = {rx.ifindex: lm.get(rx.ifindex) for rx in demo._fault_ends(topo, demo.FAIL)}

@@ -1,4 +1,4 @@
-"""Fuzz the two TOML loaders: the host config (mrc_xdp.config) and the lab topology
+"""Fuzz the two TOML loaders: the host config (mrc_xdp.datapath.config) and the lab topology
 (mrc_xdp.lab.topology).
 
 Every input must give either a valid result or exactly the loader's error class
@@ -34,9 +34,9 @@ import helpers
 import test_config
 import test_lab_topology
 import test_live_pair
-from mrc_xdp.config import ConfigError, HostConfig
+from mrc_xdp.datapath.config import ConfigError, HostConfig
 from mrc_xdp.lab import topology as T
-from mrc_xdp.validate import tomllib
+from mrc_xdp.datapath.validate import tomllib
 
 SEED = int(os.environ.get("MRC_FUZZ_SEED", "20260606"))
 N_STRUCT = 2000     # structural mutations per loader

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from mrc_xdp import netns
-from mrc_xdp.config import ConfigError, HostConfig
+from mrc_xdp.datapath import netns
+from mrc_xdp.datapath.config import ConfigError, HostConfig
 from mrc_xdp.lab import topology as T
-from mrc_xdp import validate
+from mrc_xdp.datapath import validate
 
 CLI = [sys.executable, "-m", "mrc_xdp.cli"]
 

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from mrc_xdp import netns
+from mrc_xdp.datapath import netns
 from mrc_xdp.lab import fabric, hosts, topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -55,9 +55,9 @@ def _gone(ids: set, now_fn, wait: float = 3.0) -> set:
 
 def cycles(ns: str, toml: str, n: int) -> dict:
     """Run in the child: 1 warm-up cycle, then n; returns the figures."""
-    from mrc_xdp import bpfsys, loader
-    from mrc_xdp.config import HostConfig
-    from mrc_xdp.maps import pin_dir
+    from mrc_xdp.datapath import bpfsys, loader
+    from mrc_xdp.datapath.config import HostConfig
+    from mrc_xdp.datapath.maps import pin_dir
 
     out = {"fds": [], "rss_kb": [], "left_progs": [], "left_maps": []}
     out["fd0"], out["rss0_kb"] = _fds(), _rss_kb()

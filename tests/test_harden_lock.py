@@ -41,7 +41,7 @@ def pair(tmp_path):
 
 
 def test_concurrent_loads_of_one_instance(pair):
-    from mrc_xdp.maps import pin_dir, state_path
+    from mrc_xdp.datapath.maps import pin_dir, state_path
     for trial in range(TRIALS):
         argv = CLI + ["load", "--config", pair.toml, "--netns", pair.a, "--json"]
         p1 = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -80,7 +80,7 @@ def test_concurrent_loads_of_one_instance(pair):
 def test_unload_waits_for_a_load_in_progress(pair):
     """unload takes the lock too: started while a load compiles, it waits for the load to
     finish and then removes that datapath (nothing is left attached)."""
-    from mrc_xdp.maps import pin_dir
+    from mrc_xdp.datapath.maps import pin_dir
     p1 = subprocess.Popen(CLI + ["load", "--config", pair.toml, "--netns", pair.a],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     first = p1.stderr.readline()       # "load: compiling datapath (bcc)": the load is under way
@@ -96,8 +96,8 @@ def test_failed_load_removes_what_it_made(pair):
     """A load that fails half-way (native XDP cannot attach to p1 while its veth peer has
     a 9000-byte MTU, after three devices already took theirs) detaches its programs and
     removes its pins, pin directory and state: the instance loads cleanly right after."""
-    from mrc_xdp import netns
-    from mrc_xdp.maps import pin_dir, state_path
+    from mrc_xdp.datapath import netns
+    from mrc_xdp.datapath.maps import pin_dir, state_path
     netns.run_cmd(pair.b, ["ip", "link", "set", "p1", "mtu", "9000"])
     r = cli("load", "--config", pair.toml, "--netns", pair.a, "--xdp-mode", "native")
     assert r.returncode == 1 and "p1: cannot attach XDP in native mode" in r.stderr, r.stderr

@@ -129,7 +129,7 @@ one_line_error(cli("load", "--config", "/tmp/good.toml", "--instance", ".."), "l
 
 # 5. the library
 from mrc_xdp import loader, maps, metrics, names
-from mrc_xdp.config import HostConfig
+from mrc_xdp.datapath.config import HostConfig
 cfg = HostConfig.from_toml("/tmp/good.toml")
 for name in ("..", ".", "a/b", "", "evil/.."):
     cfg.instance = name
@@ -168,7 +168,7 @@ def test_bad_instance_names_never_escape_the_pin_root():
 def test_lab_prefix_is_reserved_for_link_model_pins():
     """/sys/fs/bpf/mrc/lab-<prefix>/ holds a lab's link models: an instance named lab-x
     (whose unload would remove lab x's pins) and a lab prefix lab-... are refused."""
-    from mrc_xdp import config, maps, names
+    from mrc_xdp.datapath import config, maps, names
     from mrc_xdp.lab import fabric
     for bad in ("lab-", "lab-x", "lab-mrc-"):
         with pytest.raises(names.BadName, match="not starting with 'lab-'"):

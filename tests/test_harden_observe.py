@@ -25,7 +25,7 @@ import urllib.request
 
 import pytest
 
-from mrc_xdp import netns, wire
+from mrc_xdp.datapath import netns, wire
 
 from engine_pair import CLI, cli, host_toml, mac_of, sh
 
@@ -152,7 +152,7 @@ def test_metrics_bounded_against_random_evs(host, server):
     unknown connection; 3,000 with random EVs on the known connection leave it at most
     RX_EV_PER_CONN per-EV rows plus its "other" row; every received packet is in some
     row (their sum is the datapath's ing_data count)."""
-    from mrc_xdp import metrics
+    from mrc_xdp.observe import metrics
     ib = host["ib"]
     before = server.scrape()
     assert samples(before) and not [x for x in samples(before) if "instance" in x.labels]
@@ -179,7 +179,8 @@ def test_rx_rows_bounded_per_instance():
     """The instance's bound: 64 known connections of 600 EVs each (all a sender could
     write) come to RX_EV_SERIES_MAX per-EV rows plus one "other" row per connection, the
     unknown connection's included, and no packet is lost from the sums."""
-    from mrc_xdp import maps, metrics
+    from mrc_xdp.datapath import maps
+    from mrc_xdp.observe import metrics
     rows = [{"conn": c, "conn_name": "peer/%d" % c, "ev": e, "pkts": e + 1, "ce": 1}
             for c in range(maps.MAX_CONNS) for e in range(600)]
     rows += [{"conn": maps.MAX_CONNS, "conn_name": "unknown", "ev": e, "pkts": 1, "ce": 0} for e in range(5000)]
@@ -263,8 +264,8 @@ def daemon(lab):
 
 def _events(lab, n):
     """n datapath events on h0: a backup EV denied and allowed again, n times in all."""
-    from mrc_xdp.maps import Instance
-    from mrc_xdp.shared import EvState
+    from mrc_xdp.datapath.maps import Instance
+    from mrc_xdp.datapath.shared import EvState
     with Instance(lab["prefix"] + "h0") as inst:
         r = next(r for r in inst.ev_table() if r["role"] == "backup")
         for k in range(n):
@@ -282,7 +283,7 @@ def _connect(d, req: bytes, rcvbuf=None):
 
 
 def _planes_down(lab):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + "h0") as inst:
         return inst.planes_down()
 
@@ -359,7 +360,7 @@ def test_daemon_full(lab, daemon):
     """MAX_CLIENTS followers: one more client gets one error line (and `mrc-xdp events`
     prints it as one line, no traceback); once they go, the daemon answers again."""
     import health_lab as H
-    from mrc_xdp import health
+    from mrc_xdp.health import daemon as health
     follow = json.dumps({"op": "events", "history": 0, "follow": True}).encode() + b"\n"
     held = []
     try:

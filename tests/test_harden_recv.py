@@ -23,8 +23,10 @@ import time
 
 import pytest
 
-from mrc_xdp import bootstrap as bs
-from mrc_xdp import conns, netns, perf, transport
+from mrc_xdp.transport import bootstrap as bs
+from mrc_xdp.transport import conns, perf
+from mrc_xdp.datapath import netns
+from mrc_xdp import transport
 from perf_pair import A_ADDR, B_ADDR, B_CTL, make_pair
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_XDP, netns)")

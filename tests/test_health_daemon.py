@@ -7,7 +7,7 @@ socket and follows only this lab's instances.  Cases: a T1 blackholed mid-transf
 resurrected by probes after the heal), a plane NIC down and up during a transfer,
 a daemon killed and restarted, a flapping T0-T1 link, unequal link rates without a
 fault (no false retirement), and the daemon config's one-line errors.  Cases that
-need probes answered in the datapath skip, saying so, while mrc_xdp.probe is absent.
+need probes answered in the datapath skip, saying so, while mrc_xdp.health.probe is absent.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ INTERVAL_MS, OK_NEEDED, BACKOFF_MS, JITTER = 50, 3, 200, 20
 
 
 def need_prober():
-    from mrc_xdp import health
+    from mrc_xdp.health import daemon as health
     if health.load_prober() is None:
-        pytest.skip("needs probes answered in the datapath (mrc_xdp.probe, issue 8 item 1), not there yet")
+        pytest.skip("needs probes answered in the datapath (mrc_xdp.health.probe, issue 8 item 1), not there yet")
 
 
 @pytest.fixture(scope="module", params=["srv6", "ecmp"])
@@ -51,8 +51,8 @@ def daemon(lab):
                 H.link_set(lab, h, "p%d" % p, True)
         # leave every EV GOOD and every plane in rotation for the next case (as an
         # operator's `ev allow` would; a killed daemon leaves a plane's flag behind)
-        from mrc_xdp.maps import Instance
-        from mrc_xdp.shared import EvState
+        from mrc_xdp.datapath.maps import Instance
+        from mrc_xdp.datapath.shared import EvState
         for h in lab["topo"].hosts:
             with Instance(lab["prefix"] + h.name) as inst:
                 for p in range(lab["topo"].planes):
@@ -182,7 +182,7 @@ def test_flapping_link(lab, daemon):
 
 
 def _planes_down(lab, host):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + host) as inst:
         return inst.planes_down()
 
@@ -235,7 +235,7 @@ def test_plane_nic_down_up(lab, daemon):
     assert not [e for e in hist if e.get("ev") and e.get("reason") in ("LINK_DOWN", "LINK_UP")]
     links = [e for e in hist if e.get("kind") == "link"]
     assert [(e["plane"], e["up"], e["reason"]) for e in links][-2:] == [(0, False, "LINK_DOWN"), (0, True, "LINK_UP")], links
-    from mrc_xdp import health
+    from mrc_xdp.health import daemon as health
     if health.load_prober() is not None:
         assert H.wait_for(lambda: all(r["state"] == "GOOD" for r in H.ev_rows(lab, "h0")
                                       if r["plane"] == 0 and r["role"] == "active"), 5), H.ev_rows(lab, "h0")

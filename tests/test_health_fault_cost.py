@@ -40,8 +40,8 @@ def _drops(lab, links) -> int:
 
 def _reset(lab):
     """Every EV GOOD again, as an operator's `ev allow` would: each run starts alike."""
-    from mrc_xdp.maps import Instance
-    from mrc_xdp.shared import EvState
+    from mrc_xdp.datapath.maps import Instance
+    from mrc_xdp.datapath.shared import EvState
     for h in lab["topo"].hosts:
         with Instance(lab["prefix"] + h.name) as inst:
             for r in inst.ev_table():

@@ -19,8 +19,9 @@ import uuid
 
 import pytest
 
-from mrc_xdp import netns
-from mrc_xdp.lab import cli, fabric, probe, topology
+from mrc_xdp.datapath import netns
+from mrc_xdp.cli import lab as cli
+from mrc_xdp.lab import fabric, probe, topology
 from mrc_xdp.lab import linkmodel as lmod
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root")
@@ -234,7 +235,7 @@ def test_cli_status_and_errors(ecmp_lab, capsys):
 
 def test_cli_exec_runs_in_the_node_namespace(ecmp_lab):
     prefix, topo, lm = ecmp_lab
-    r = subprocess.run([sys.executable, "-m", "mrc_xdp.lab.cli", "lab", "exec", "--prefix", prefix,
+    r = subprocess.run([sys.executable, "-m", "mrc_xdp.cli.lab", "lab", "exec", "--prefix", prefix,
                         "p1t1s0", "--", "ip", "-o", "link", "show"], cwd=ROOT,
                        capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
@@ -291,14 +292,14 @@ def test_down_after_kill_9_midway_removes_everything():
 def test_cli_up_gives_the_hosts_their_control_addresses():
     """`mrc-xdp lab up` sets up the TCP bootstrap's control path (as a VM lab's set-up
     does) and names the addresses, so a first `write-bw PEER` needs no hidden step."""
-    from mrc_xdp import bootstrap
+    from mrc_xdp.lab import ctlpath
     prefix = new_prefix("c")
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             assert cli.main(["lab", "up", "--prefix", prefix, "--mode", "ecmp", "--no-hosts"]) == 0
         topo = fabric.topology_of(fabric.load_state(prefix))
-        want = bootstrap.ctl_addr(topo, 0, "h2")
+        want = ctlpath.ctl_addr(topo, 0, "h2")
         assert "h2 %s" % want in out.getvalue(), out.getvalue()
         addrs = netns.run_cmd(prefix + "h2", ["ip", "-6", "-br", "addr", "show", "dev", "p0"]).stdout
         assert want in addrs, addrs

@@ -1,6 +1,6 @@
 """Lab hosts: generated datapath configs (no root), and the real datapath on the live lab.
 
-Live cases: a minimal receiver (mrc_xdp.traffic.Receiver) answers data with SACK/NACK on
+Live cases: a minimal receiver (mrc_xdp.lab.traffic.Receiver) answers data with SACK/NACK on
 h2's mrc0 while h0's mrc0 sends; where frames went is read from the link model's
 per-link counters, EV states from h0's pinned datapath maps.
 """
@@ -83,7 +83,7 @@ def snap(lm, topo, field="mrc_pkts"):
 
 
 def run_traffic(prefix, topo, n, src="h0", dst="h2", payload=512, pps=20000):
-    from mrc_xdp.traffic import Receiver, Sender
+    from mrc_xdp.lab.traffic import Receiver, Sender
     s, d = topo.host(src), topo.host(dst)
     rx = Receiver("mrc0", d.addr, {(s.addr, hosts.qpn(d.index, s.index)): hosts.qpn(s.index, d.index)},
                   ns=prefix + dst, max_seconds=60, trimmed_dscp=topo.linkmodel.dscp_trimmed).start()
@@ -118,7 +118,7 @@ def traffic_with_link(prefix, topo, lm, end, counter, n=400, **settings):
 
 
 def ev_rows(prefix, host="h0", peer="h2"):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(prefix + host) as inst:
         return [r for r in inst.ev_table() if r["conn_name"] == peer]
 
@@ -207,7 +207,7 @@ def test_trimmed_packet_is_nacked_and_its_ev_skipped(lab):
 @srv6_only
 def test_blackholed_t1_takes_no_more_packets_once_its_evs_are_bad(lab):
     prefix, topo, lm = lab
-    from mrc_xdp.lab import cli
+    from mrc_xdp.cli import lab as cli
     up = uplinks(topo)[(0, 1)]
     try:
         cli.fail(prefix, "p0t1s1")

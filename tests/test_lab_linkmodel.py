@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mrc_xdp import bpfsys
+from mrc_xdp.datapath import bpfsys
 from mrc_xdp.lab import linkmodel as lmod
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BPF_PROG_TEST_RUN needs root")
@@ -320,7 +320,7 @@ def test_update_keeps_other_settings(lm):
 
 
 def test_next_program_tail_call(lm):
-    from mrc_xdp import kheaders
+    from mrc_xdp.datapath import kheaders
     kheaders.ensure()
     from bcc import BPF
     b = BPF(text=b"int nxt(struct xdp_md *ctx) { return XDP_TX; }")

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from mrc_xdp import netns, wire
+from mrc_xdp.datapath import netns, wire
 from mrc_xdp.lab import fabric, hosts, topology
 from mrc_xdp.lab import linkmodel as lmod
 
@@ -66,7 +66,7 @@ class Sniffer:
 
 def send(prefix, topo, n, src="h0", dst="h2"):
     """n data frames src -> dst through src's datapath; returns the frames dst's mrc0 got."""
-    from mrc_xdp.traffic import Receiver, Sender
+    from mrc_xdp.lab.traffic import Receiver, Sender
     s, d = topo.host(src), topo.host(dst)
     rx = Receiver("mrc0", d.addr, {(s.addr, hosts.qpn(d.index, s.index)): hosts.qpn(s.index, d.index)},
                   ns=prefix + dst, max_seconds=30).start()

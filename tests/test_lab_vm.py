@@ -38,8 +38,9 @@ import time
 
 import pytest
 
-from mrc_xdp import bootstrap
+from mrc_xdp.lab import ctlpath
 from mrc_xdp.lab import fabric, vm
+from mrc_xdp.lab import agent
 from mrc_xdp.lab.executor import GUEST_PY, GUEST_ROOT, SshNode
 from mrc_xdp.lab.hosts import instance_name, qpn
 from mrc_xdp.lab.topology import from_dict, load
@@ -89,7 +90,7 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path, monkeypatc
 
     # the CLI writes the same rendering; vagrant validates the Vagrantfile with it
     out = tmp_path / "topology.json"
-    p = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "python"), "-m", "mrc_xdp.lab.cli",
+    p = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "python"), "-m", "mrc_xdp.cli.lab",
                         "lab", "render", "--json", "-o", str(out), "--prefix", "rv%s-" % TAG],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -175,7 +176,7 @@ def test_vm_nodes_equal_the_netns_lab(vmlab):
     nprefix = "mn%s-" % TAG
     fabric.up(topo, prefix=nprefix)       # the same topology as namespaces (no datapaths)
     try:
-        assert bootstrap.lab_control_path(nprefix, topo) == st["control"]
+        assert ctlpath.lab_control_path(nprefix, topo) == st["control"]
         for node in topo.nodes:
             got_vm = _links(execs[node])
             got_ns = _links(nprefix + node, vm_node=False)
@@ -200,7 +201,7 @@ def test_vm_nodes_equal_the_netns_lab(vmlab):
 
 
 def _counters(ex, prefix, host):
-    return ex.call("counters", instance=instance_name(prefix, host))
+    return agent.call(ex, "counters", instance=instance_name(prefix, host))
 
 
 def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
@@ -211,14 +212,14 @@ def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
     prefix, topo, st = vmlab
     execs = vm.execs_of(st)
     h0, h1 = topo.host("h0"), topo.host("h1")
-    saved = execs["h0"].call("datapath_config", instance=instance_name(prefix, "h0"), changes={"loss_thresh": 4})
+    saved = agent.call(execs["h0"], "datapath_config", instance=instance_name(prefix, "h0"), changes={"loss_thresh": 4})
     rx_args = dict(local=h1.addr, peer=h0.addr, local_qpn=qpn(1, 0), peer_qpn=qpn(0, 1),
                    expect=10**9, seconds=600, ready="/run/mrc-rx.ready", stop="/run/mrc-rx.stop")
     res = {}
 
     def receive():
         try:
-            res["rx"] = execs["h1"].call("traffic_receive", **rx_args)
+            res["rx"] = agent.call(execs["h1"], "traffic_receive", **rx_args)
         except Exception as e:
             res["err"] = e
     th = threading.Thread(target=receive, daemon=True)
@@ -230,7 +231,7 @@ def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
             time.sleep(1)
         n = 600
         t0 = time.monotonic()
-        out = execs["h0"].call("traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0), count=n, pps=200)
+        out = agent.call(execs["h0"], "traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0), count=n, pps=200)
         assert out["sent"] == n
         # every frame crossed a switch VM and reached h1's datapath; SACKs came back
         deadline = time.monotonic() + 60
@@ -253,13 +254,13 @@ def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
         healthy_bad = [r for r in a["evs"] if r["state"] != "GOOD"]
         say("healthy phase: plane split %s, EVs retired by reordering: %d" % (planes, len(healthy_bad)))
         # the link model in the switch VM counted exactly h0's plane-0 frames at port h0
-        lc = execs[LM_NODE].call("link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0", "h1"])
+        lc = agent.call(execs[LM_NODE], "link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0", "h1"])
         assert lc["h0"]["mrc_pkts"] == planes[0], (lc, planes)
         assert lc["h1"]["mrc_pkts"] > 0, lc
         # the switch of plane 1 fails (its VM frozen): h0's datapath retires plane 1's EVs
         vm.fail(prefix, "p1t0s0")
         try:
-            out = execs["h0"].call("traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0),
+            out = agent.call(execs["h0"], "traffic_send", local=h0.addr, peer=h1.addr, dqpn=qpn(1, 0),
                                    count=n, pps=200, psn=n)
             time.sleep(3)
             a2 = _counters(execs["h0"], prefix, "h0")
@@ -287,7 +288,7 @@ def test_vm_spray_over_both_planes_then_a_switch_fails(vmlab):
         assert got > n // 2, got
     finally:
         execs["h1"].run(["touch", rx_args["stop"]], check=False)
-        execs["h0"].call("datapath_config", instance=instance_name(prefix, "h0"), changes=saved)
+        agent.call(execs["h0"], "datapath_config", instance=instance_name(prefix, "h0"), changes=saved)
         th.join(timeout=60)
     assert "err" not in res, res.get("err")
 
@@ -393,7 +394,7 @@ def lab_on(request):
             say("timing: vagrant lab down %.1fs" % (time.monotonic() - t0))
         assert vm.leftovers(prefix) == {"qemu": [], "dirs": [], "state_file": []}
         return
-    from mrc_xdp.lab import cli as lab_cli
+    from mrc_xdp.cli import lab as lab_cli
     from mrc_xdp.lab import hosts
     from mrc_xdp.lab.executor import NetnsNode
     prefix = "mt%s-" % TAG
@@ -402,7 +403,7 @@ def lab_on(request):
         topo = fabric.topology_of(st)
         yield {"target": "netns", "prefix": prefix, "topo": topo,
                "execs": {n: NetnsNode(n, prefix + n) for n in topo.nodes},
-               "control": bootstrap.lab_control_path(prefix, topo),
+               "control": ctlpath.lab_control_path(prefix, topo),
                "cli": os.path.join(os.path.dirname(os.sys.executable), "mrc-xdp"),
                "fail": lab_cli.fail, "heal": lab_cli.heal}
     finally:
@@ -424,7 +425,7 @@ def test_engine_transfer_over_both_planes_then_with_a_switch_failed(lab_on):
     plane's EVs lose every packet and are still retired within a few hundred)."""
     lab = lab_on
     prefix, execs = lab["prefix"], lab["execs"]
-    saved = {h: execs[h].call("datapath_config", instance=instance_name(prefix, h), changes={"loss_thresh": 16})
+    saved = {h: agent.call(execs[h], "datapath_config", instance=instance_name(prefix, h), changes={"loss_thresh": 16})
              for h in ("h0", "h1")}
     try:
         sent, planes = _engine_transfer(lab, "healthy")
@@ -440,7 +441,7 @@ def test_engine_transfer_over_both_planes_then_with_a_switch_failed(lab_on):
             lab["heal"](prefix, "p1t0s0")
     finally:
         for h, old in saved.items():
-            execs[h].call("datapath_config", instance=instance_name(prefix, h), changes=old)
+            agent.call(execs[h], "datapath_config", instance=instance_name(prefix, h), changes=old)
     # plane 0 carried the whole file; the frames sprayed into the dead plane were lost
     # (counted by h0's datapath from h1's SACKs) and resent
     assert planes[0] >= (XFER_MIB << 20) // 1500, planes
@@ -483,7 +484,7 @@ def test_lab_link_set_and_heal(lab_on):
         return execs["h0"].run([os.sys.executable, "-c", PING6, gw], check=False).returncode
 
     def lm_port():
-        return execs[LM_NODE].call("link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"])["h0"]
+        return agent.call(execs[LM_NODE], "link_counters", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"])["h0"]
     assert ping() == 0
     p = subprocess.run(cli + ["link", "set", end, "blackhole", "on", "loss", "1%", "--prefix", prefix],
                        capture_output=True, text=True, timeout=120)
@@ -533,7 +534,7 @@ def test_lab_link_set_and_heal(lab_on):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "is not up" in p.stderr, p.stderr
     if lab_on["target"] == "netns":
         return
-    cfg = execs[LM_NODE].call("link_update", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"], changes={})["h0"]
+    cfg = agent.call(execs[LM_NODE], "link_update", pin_dir=fabric.pin_dir(prefix), ifnames=["h0"], changes={})["h0"]
     assert not cfg["blackhole"] and cfg["loss_ppm"] == 0 and cfg["rate_bps"] == 100_000_000, cfg
 
 
@@ -611,7 +612,7 @@ def _probe_figures(lab, dm, rows) -> dict:
     """From the daemon's status (its socket, asked on the node): background and
     resurrection probes per plane, sent / answered, and the smoothed RTTs (ms)."""
     py = GUEST_PY if lab["target"] != "netns" else os.sys.executable
-    p = dm["ex"].run([py, "-c", "import json, sys; from mrc_xdp import health; "
+    p = dm["ex"].run([py, "-c", "import json, sys; from mrc_xdp.health import daemon as health; "
                       "print(json.dumps(health.status(sys.argv[1])))", dm["dir"] + "/events.sock"])
     st = json.loads(p.stdout)["instances"][dm["inst"]]
     plane = {"%d:%d" % (r["conn"], r["ev"]): r["plane"] for r in rows[dm["host"]]}

@@ -26,9 +26,9 @@ MRC = [sys.executable, "-m", "mrc_xdp.cli"]
 def prefix():
     p = "tl%s-" % uuid.uuid4().hex[:4]
     try:
-        from mrc_xdp import bootstrap
+        from mrc_xdp.lab import ctlpath
         st = fabric.up(topology.load(mode="ecmp"), prefix=p, hosts_hook=hosts.fabric_hook)
-        bootstrap.lab_control_path(p, fabric.topology_of(st))
+        ctlpath.lab_control_path(p, fabric.topology_of(st))
         yield p
     finally:
         fabric.down(p, unload_hosts=hosts.unload_all)

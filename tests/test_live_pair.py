@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from mrc_xdp import netns, wire
-from mrc_xdp.shared import SackM
-from mrc_xdp.traffic import Receiver, Sender
+from mrc_xdp.datapath import netns, wire
+from mrc_xdp.datapath.shared import SackM
+from mrc_xdp.lab.traffic import Receiver, Sender
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
 
@@ -406,7 +406,7 @@ def test_scapy_is_quiet_in_a_fresh_namespace():
     ns = "mrcq-%x" % os.getpid()
     netns.create(ns)
     try:
-        r = subprocess.run(["nsenter", "--net=/run/netns/" + ns, sys.executable, "-c", "import mrc_xdp.wire"],
+        r = subprocess.run(["nsenter", "--net=/run/netns/" + ns, sys.executable, "-c", "import mrc_xdp.datapath.wire"],
                            capture_output=True, text=True, timeout=60)
     finally:
         netns.delete(ns)

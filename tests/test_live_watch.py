@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from mrc_xdp import bpfsys, netns
+from mrc_xdp.datapath import bpfsys, netns
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
 

@@ -65,13 +65,13 @@ def fabric_links(lab):
 
 
 def _rows(lab):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + "h0") as inst:
         return [e for e in inst.ev_table() if e["conn_name"] == "h2"]
 
 
 def _counters(lab):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + "h0") as inst:
         return inst.counters()
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from mrc_xdp import conns
+from mrc_xdp.transport import conns
 from perf_pair import B_CTL, MTU, make_pair
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_XDP, netns)")

@@ -17,9 +17,9 @@ from helpers import (ACTIVE_MAX, CONN_A, CONN_B, DSCP_CTRL, HOP_LIMIT, LOCAL, PE
                      QPN_A_LOCAL, QPN_A_REMOTE, QPN_B_LOCAL, QPN_B_REMOTE, SRV6_SRC, STRANGER,
                      LOCAL_SID, TEMPLATES, XDP_DROP, XDP_REDIRECT, XDP_TX, addr, probe_answer,
                      odd_length, spray_rewrite, srv6_da, srv6_push, xdp_name)
-from mrc_xdp import maps as libmaps
-from mrc_xdp import shared, wire
-from mrc_xdp.shared import EvReason, EvState, const, ffi
+from mrc_xdp.datapath import maps as libmaps
+from mrc_xdp.datapath import shared, wire
+from mrc_xdp.datapath.shared import EvReason, EvState, const, ffi
 
 QPN_PROBE = const("MRC_QPN_PROBE")
 
@@ -200,9 +200,9 @@ def test_ingress_ecmp_answer_comes_back_through_the_named_t1(ecmp, plane):
 
 
 def test_prober_names_the_t1_in_vendor_info():
-    """mrc_xdp.probe's frames carry 1 + T1 in PETH vendor_info (0 when unknown), else the
+    """mrc_xdp.health.probe's frames carry 1 + T1 in PETH vendor_info (0 when unknown), else the
     same bytes as wire's builder."""
-    from mrc_xdp import probe
+    from mrc_xdp.health import probe
     for t1, vi in ((None, 0), (0, 1), (1, 2)):
         f = probe.probe_frame(LOCAL, PEER_A, QPN_A_REMOTE, 0x12345678, 77, 0x4242, tx_ts=5, t1=t1)
         w = wire.probe_frame(LOCAL, PEER_A, QPN_A_REMOTE, 77, probe_id=0x4242, tx_ts=5, ev=0x12345678,

@@ -10,9 +10,10 @@ import warnings
 
 import pytest
 
-from mrc_xdp import bpfsys, health, maps, netns
-from mrc_xdp.probe import Prober
-from mrc_xdp.shared import EvReason, EvState, ffi
+from mrc_xdp.datapath import bpfsys, maps, netns
+from mrc_xdp.health import daemon as health
+from mrc_xdp.health.probe import Prober
+from mrc_xdp.datapath.shared import EvReason, EvState, ffi
 from test_live_pair import B_ADDR, cli, pair  # noqa: F401  (pair: the fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netns)")
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, netn
 def _drop_on(ns, dev):
     """Replace the XDP program of dev (in ns) with one that drops everything."""
     from bcc import BPF
-    from mrc_xdp import kheaders
+    from mrc_xdp.datapath import kheaders
     kheaders.ensure()
     netns.run_cmd(ns, ["ip", "link", "set", "dev", dev, "xdp", "off"])
     with warnings.catch_warnings():

@@ -69,7 +69,7 @@ def _rows(screen):
 
 
 def test_top_in_tmux(lab, tmp_path):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     inst = lab["prefix"] + "h0"
     env = {"MRC_XDP_DAEMON_SOCKET": str(tmp_path / "none.sock")}      # no daemon: the ring
     t = Tmux([H.CLI, "top", "-i", inst, "--interval", "0.3"], env)
@@ -134,7 +134,7 @@ def test_top_in_tmux(lab, tmp_path):
         assert not t.alive(), "top did not quit on q"
     finally:
         t.kill()
-        from mrc_xdp.shared import EvState
+        from mrc_xdp.datapath.shared import EvState
         with Instance(inst) as i:
             for r in i.ev_table():
                 if r["state"] != "GOOD":
@@ -146,7 +146,7 @@ def test_top_with_daemon(lab):
     has one consumer) and says whose they are; --once prints one frame.  h0's p1 NIC
     down: top says plane 1 is DOWN and shows the daemon's LINK_DOWN event, the metrics
     say plane 1 is out of rotation (0) and plane 0 in (1); up again: both in."""
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     inst = lab["prefix"] + "h0"
     d = H.Daemon(lab, background_per_s=0).start()
 

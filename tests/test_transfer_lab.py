@@ -71,7 +71,7 @@ def no_loss_retire(lab):
     packet (loss_thresh 1) would retire them all, and nothing resurrects them without the
     health daemon.  For the random-loss cases the datapath's loss threshold is raised
     (mrc_cfg.loss_thresh, a run-time setting); the engine still sees every loss."""
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     saved = {}
     for h in lab["topo"].hosts:
         with Instance(lab["prefix"] + h.name) as inst:
@@ -85,8 +85,8 @@ def no_loss_retire(lab):
 def _reset_evs(lab):
     """Every retired EV of every host back to GOOD (what the health daemon's probes would
     do once a path works again), so each case starts from a healthy EV set."""
-    from mrc_xdp.maps import Instance, set_ev_state
-    from mrc_xdp.shared import EvState
+    from mrc_xdp.datapath.maps import Instance, set_ev_state
+    from mrc_xdp.datapath.shared import EvState
     for h in lab["topo"].hosts:
         with Instance(lab["prefix"] + h.name) as inst:
             for e in inst.ev_table():
@@ -196,8 +196,8 @@ def test_transfer_and_runtime_qp(lab):
     r = transfer(lab, [("h0", "h2")], 16 << 20)[0]
     assert r["tx"]["rtx_pkts"] <= _rtx_bound(0, r["tx"]["tx_pkts"])
     # a QP the lab's config does not list: its connection is added at connect, and gone after
-    from mrc_xdp import conns
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.transport import conns
+    from mrc_xdp.datapath.maps import Instance
     n0 = len(conns.list_(lab["prefix"] + "h0"))
     seen = []
 
@@ -239,7 +239,7 @@ def test_forced_trimming(lab, links):
 
 
 def test_t1_blackholed_midway(lab, links):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     lm, topo = lab["lm"], lab["topo"]
     _reset_evs(lab)
     failed = []

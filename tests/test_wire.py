@@ -1,4 +1,4 @@
-"""Tests for mrc_xdp.wire: layouts, header chains, EV fields, ICRC, UDP checksum, SRv6.
+"""Tests for mrc_xdp.datapath.wire: layouts, header chains, EV fields, ICRC, UDP checksum, SRv6.
 
 ICRC references used here, none of them wire.py's code:
   * a bitwise CRC-32 written below (no zlib, no table), with the masking done on scapy
@@ -28,10 +28,10 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw, split_layers
 
-from mrc_xdp import wire
-from mrc_xdp.shared import CONSTS, NackReason, Opcode, SackM
-from mrc_xdp.wire import (AETH, BTH, CCState, EETH, ERTH, ETH_LEN, ICRC_LEN, IPV6_LEN,
-                          METH, NETH, PETH, RETH, SETH, TSETH, ImmDt)
+from mrc_xdp.datapath import wire
+from mrc_xdp.datapath.shared import CONSTS, NackReason, Opcode, SackM
+from mrc_xdp.datapath.wire import (AETH, BTH, CCState, EETH, ERTH, ETH_LEN, ICRC_LEN, IPV6_LEN,
+                                   METH, NETH, PETH, RETH, SETH, TSETH, ImmDt)
 
 SRC, DST = "fd00:1::1", "fd00:2::2"
 

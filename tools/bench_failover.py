@@ -59,7 +59,7 @@ IPPROTO_MPTCP = 262
 # ---------------------------------------------------------------- helper processes
 
 def _netns_enter(ns):
-    from mrc_xdp import netns
+    from mrc_xdp.datapath import netns
     fd = netns.open_fd(ns)
     netns._setns(fd, ns)          # this single-threaded helper process stays there
     os.close(fd)
@@ -315,7 +315,9 @@ def retrans_in(logf, a_ns, b_ns):
 
 
 def run_failover(args, out):
-    from mrc_xdp import bootstrap, health, netns, transport
+    from mrc_xdp.lab import ctlpath
+    from mrc_xdp import health, transport
+    from mrc_xdp.datapath import netns
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
 
@@ -331,7 +333,7 @@ def run_failover(args, out):
             if n.kind == "t0":
                 netns.sysctl(prefix + n.name, "net.ipv6.fib_multipath_hash_policy", "3")
                 netns.sysctl(prefix + n.name, "net.ipv6.fib_multipath_hash_fields", "0x3f")
-        ctl = bootstrap.lab_control_path(prefix, topo)
+        ctl = ctlpath.lab_control_path(prefix, topo)
         for h in ("h1", "h3"):
             sh(prefix + h, "ip", "mptcp", "limits", "set", "subflow", "2", "add_addr_accepted", "2")
         sh(prefix + "h3", "ip", "mptcp", "endpoint", "add", ctl["h3"][1], "dev", "p1", "subflow")
@@ -436,7 +438,7 @@ def run_failover(args, out):
 
 
 def evs_of(instance):
-    from mrc_xdp.maps import Instance
+    from mrc_xdp.datapath.maps import Instance
     with Instance(instance) as i:
         return i.ev_table()
 
@@ -530,7 +532,8 @@ def plot(series, fs, hs, t1, out, note=None):
 # ---------------------------------------------------------------- scenario 2
 
 def run_loss_one_ev(args):
-    from mrc_xdp import conns, transport
+    from mrc_xdp.transport import conns
+    from mrc_xdp import transport
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
     import random
@@ -550,7 +553,7 @@ def run_loss_one_ev(args):
         fwd = "%s>p0t1s1" % topo.t0_name(0, topo.host("h0").t0)       # h0's data towards T1 1
         lossy = next(rx.ifindex for n, rx, _, _ in topo.link_ends() if n == fwd)
         results = {"no fault": [], "20% loss on one EV's path": []}
-        from mrc_xdp.maps import Instance
+        from mrc_xdp.datapath.maps import Instance
         for rnd in range(args.rounds):           # interleaved: the machine's load drifts
             for phase in results:
                 # a fresh connection each time: the EV layout above, nothing retired

@@ -17,7 +17,7 @@ Conditions:
 
   none          no XDP anywhere
   pass          an XDP_PASS program, native mode, on B's p0 (the receiving veth)
-  mrc           the MRC datapath loaded in A and B (mrc_xdp.loader, as `mrc-xdp load`
+  mrc           the MRC datapath loaded in A and B (mrc_xdp.datapath.loader, as `mrc-xdp load`
                 does for the live pair: ingress native on p0/p1, spray, engine)
   pass+gro      pass, with `ethtool -K p0 gro on` on B (the receiving side)
   mrc+gro       mrc, with GRO on on both p0s
@@ -48,7 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mrc_xdp import netns  # noqa: E402
+from mrc_xdp.datapath import netns  # noqa: E402
 
 ADDR_A, ADDR_B = "fd00:98::a", "fd00:98::b"
 MRC_A, MRC_B = "fd00:99::a", "fd00:99::b"
@@ -151,9 +151,9 @@ class Bench:
         time.sleep(0.3)
 
     def _load_datapath(self) -> None:
-        from mrc_xdp import bpfsys, loader
-        from mrc_xdp.config import HostConfig
-        from mrc_xdp.maps import pin_dir
+        from mrc_xdp.datapath import bpfsys, loader
+        from mrc_xdp.datapath.config import HostConfig
+        from mrc_xdp.datapath.maps import pin_dir
         macs = {n: [mac(n, "p0"), mac(n, "p1")] for n in (self.a, self.b)}
         for ns, peer, me, them, lq, rq in ((self.a, self.b, MRC_A, MRC_B, 0x1A0, 0x1B0),
                                           (self.b, self.a, MRC_B, MRC_A, 0x1B0, 0x1A0)):
@@ -238,7 +238,7 @@ class Bench:
             with contextlib.suppress(OSError):
                 os.close(fd)
         if self.instances:
-            from mrc_xdp import loader
+            from mrc_xdp.datapath import loader
             for inst in self.instances:
                 with contextlib.suppress(Exception):
                     loader.unload(inst, quiet_missing=True)

@@ -18,7 +18,7 @@
     one TCP flow vs MPTCP (one subflow per plane NIC; then a full mesh of 2 x 2
     subflows, as many as the fabric has paths) vs 4 TCP flows, each as a fraction of that
     capacity (goodput at the receiver); MRC in srv6 mode too (a second lab).  TCP and
-    MPTCP run over the lab's control path (mrc_xdp.bootstrap.lab_control_path): one
+    MPTCP run over the lab's control path (mrc_xdp.transport.ctlpath.lab_control_path): one
     address per plane NIC, routed by the plane's switches, which hash flows over T1s.
 
 Figures are goodput measured at the receiver.  Every run also reports how its packets
@@ -46,8 +46,10 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mrc_xdp import bootstrap, loader, netns  # noqa: E402
-from mrc_xdp.config import HostConfig  # noqa: E402
+from mrc_xdp.transport import bootstrap
+from mrc_xdp.lab import ctlpath
+from mrc_xdp.datapath import loader, netns  # noqa: E402
+from mrc_xdp.datapath.config import HostConfig  # noqa: E402
 
 CLI = [sys.executable, "-m", "mrc_xdp.cli"]
 IPPROTO_MPTCP = 262
@@ -378,7 +380,7 @@ def lab_up(mode, rate, progress=log, mtu=None):
     (mrc0 gets mtu - 40, room for the SRv6 outer header), as a topology file may say."""
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
-    from mrc_xdp.validate import read_toml
+    from mrc_xdp.datapath.validate import read_toml
     prefix = "bt%s%s-" % (mode[0], TAG[:5])
     data = read_toml(topology.DEFAULT_TOPOLOGY, "topology", topology.TopologyError)
     data["mode"] = mode
@@ -425,7 +427,7 @@ def part_b(args, out):
         try:
             prefix, topo, lm = lab_up(mode, rate, mtu=getattr(args, "lab_mtu", None))
             cap = topo.planes * topo.t1_per_plane * rate
-            addrs = bootstrap.lab_control_path(prefix, topo)
+            addrs = ctlpath.lab_control_path(prefix, topo)
             h0, h2 = prefix + "h0", prefix + "h2"
             for h in (h0, h2):      # a TCP flow keeps its path (no re-hash on RTO), as on hardware ECMP
                 netns.run(h, bootstrap._sysctl, "net.core.txrehash", "0")

@@ -16,7 +16,7 @@ built from the same helpers) says what spraying, EV health and feedback cost on 
 forwarding at all: that is the figure to drive down.  Exit 1 if a case is over budget (unless --no-budget), 2
 on a set-up error (not root, compile failure, a case not taking the path it should time).
 
-The programs are the real ones (bpf/mrc_datapath.c compiled by mrc_xdp.loader.build()),
+The programs are the real ones (bpf/mrc_datapath.c compiled by mrc_xdp.datapath.loader.build()),
 configured through the real map writer (Datapath.configure) for one connection with 16
 active EVs over 2 planes, in a temporary network namespace holding veth pairs mrc0/mrc0p,
 p0/q0 and p1/q1 (ingress needs ctx.ingress_ifindex of a real device, the devmap real
@@ -298,7 +298,7 @@ class BenchError(RuntimeError):
 # ------------------------------------------------------------------ set-up
 
 def host_config(mode: str):
-    from mrc_xdp.config import HostConfig
+    from mrc_xdp.datapath.config import HostConfig
     planes = [{"dev": "p%d" % i, "gateway_mac": GW_MACS[i]} for i in range(2)]
     conn = {"peer": PEER, "local_qpn": LOCAL_QPN, "remote_qpn": REMOTE_QPN,
             "ev_per_plane": 8, "backup_per_plane": 4, "name": "bench"}
@@ -316,7 +316,7 @@ def host_config(mode: str):
 
 def make_netns(name: str) -> None:
     import subprocess
-    from mrc_xdp import netns
+    from mrc_xdp.datapath import netns
     try:
         netns.create(name)
         for a, b in DEVS:
@@ -332,7 +332,7 @@ def make_netns(name: str) -> None:
 def dev_info():
     """DevInfo for the current netns plus {name: ifindex}."""
     from pyroute2 import IPRoute
-    from mrc_xdp.maps import DevInfo
+    from mrc_xdp.datapath.maps import DevInfo
     links = {}
     with IPRoute() as ipr:
         for lk in ipr.get_links():
@@ -346,7 +346,7 @@ def dev_info():
 
 
 def build_baseline():
-    from mrc_xdp import kheaders
+    from mrc_xdp.datapath import kheaders
     kheaders.ensure()
     from bcc import BPF
     b = BPF(text="int xdp_pass(struct xdp_md *ctx) { return XDP_PASS; }")
@@ -355,8 +355,8 @@ def build_baseline():
 
 def bench_source() -> str:
     """The amalgamated datapath plus BENCH_C; BenchError if the entry points are not found."""
-    from mrc_xdp.bpfsrc import amalgamate
-    from mrc_xdp.shared import BPF_DIR
+    from mrc_xdp.datapath.bpfsrc import amalgamate
+    from mrc_xdp.datapath.shared import BPF_DIR
     src = amalgamate(os.path.join(BPF_DIR, "mrc_datapath.c"))
     bodies = {}
     for key, fn in (("spray", "mrc_spray"), ("ingress", "mrc_ingress")):
@@ -377,8 +377,8 @@ class Bench:
 
     def __init__(self):
         from bcc import BPF
-        from mrc_xdp import bpfsrc, kheaders
-        from mrc_xdp.loader import Datapath
+        from mrc_xdp.datapath import bpfsrc, kheaders
+        from mrc_xdp.datapath.loader import Datapath
         kheaders.ensure()
         try:
             self.bpf = BPF(text=bench_source(), cflags=bpfsrc.CFLAGS)
@@ -388,12 +388,12 @@ class Bench:
             raise BenchError("compiling the repeat-safe copies failed: %s" % e) from e
         self.dp = Datapath(self.bpf)
         self.fds = {p: self.bpf.load_func(p.encode(), BPF.XDP).fd for p in self.PROGS}
-        from mrc_xdp import bpfsys
+        from mrc_xdp.datapath import bpfsys
         self.outer = bpfsys.Map(self.bpf[b"bench_outer"].map_fd, "bench_outer", owns_fd=False)
         self._mode = None
 
     def set_mode(self, mode: str) -> None:
-        from mrc_xdp.shared import ffi, sizeof, to_bytes
+        from mrc_xdp.datapath.shared import ffi, sizeof, to_bytes
         if mode == self._mode:
             return
         m = self.dp.maps["mrc_cfg"]
@@ -407,8 +407,8 @@ class Bench:
 # ------------------------------------------------------------------ helpers on the datapath
 
 def stat(dp, name: str) -> int:
-    from mrc_xdp import bpfsys
-    from mrc_xdp.shared import Ctr
+    from mrc_xdp.datapath import bpfsys
+    from mrc_xdp.datapath.shared import Ctr
     return bpfsys.sum_u64_percpu(dp.maps["mrc_stats"].lookup(int(Ctr[name])), 1)[0]
 
 
@@ -416,7 +416,7 @@ class Rings:
     """Drains the EV-event ring buffers so state-change runs never find one full."""
 
     def __init__(self, dps):
-        from mrc_xdp import bpfsys
+        from mrc_xdp.datapath import bpfsys
         self.readers = []
         self.n = 0
         for dp in dps:
@@ -457,9 +457,9 @@ class Run:
 
 
 def build_runs(dps, cfgs, ifx, bench, probe):
-    from mrc_xdp import wire
-    from mrc_xdp.bpfsys import XDP_PASS, XDP_REDIRECT, prog_test_run
-    from mrc_xdp.shared import SackM
+    from mrc_xdp.datapath import wire
+    from mrc_xdp.datapath.bpfsys import XDP_PASS, XDP_REDIRECT, prog_test_run
+    from mrc_xdp.datapath.shared import SackM
 
     ecmp, srv6 = dps["ecmp"], dps["srv6"]
     active, _ = cfgs["ecmp"].connections[0].ev_sets(2)
@@ -581,8 +581,8 @@ def build_runs(dps, cfgs, ifx, bench, probe):
 def probe_reset(dp_srv6, ifx_fab, ifx_p0, local_sid):
     """Does a repeat run reset the buffer between repetitions?  Runs the SRv6 encap and the
     decap three times in one test run each and counts how often each really happened."""
-    from mrc_xdp import wire
-    from mrc_xdp.bpfsys import XDP_NAMES, prog_test_run
+    from mrc_xdp.datapath import wire
+    from mrc_xdp.datapath.bpfsys import XDP_NAMES, prog_test_run
     tx = wire.data_frame(LOCAL, PEER, REMOTE_QPN, PSN, b"x" * 64)
     rx = wire.srv6_encap(wire.data_frame(PEER, LOCAL, LOCAL_QPN, PSN, b"x" * 64), OUTER_SRC, local_sid)
     out = {}
@@ -602,7 +602,7 @@ def probe_reset(dp_srv6, ifx_fab, ifx_p0, local_sid):
 def validate(runs, small_repeat, ring):
     """Each run must take its path: a repeat=1 run checked on its output, then a short
     repeat run (every repetition must return `expect` and bump its counter)."""
-    from mrc_xdp.bpfsys import XDP_NAMES, prog_test_run
+    from mrc_xdp.datapath.bpfsys import XDP_NAMES, prog_test_run
     for r in runs.values():
         for rep in (1, min(100, small_repeat)):
             if r.before:
@@ -629,7 +629,7 @@ def validate(runs, small_repeat, ring):
 # ------------------------------------------------------------------ measuring
 
 def run_once(r, repeat, ring):
-    from mrc_xdp.bpfsys import prog_test_run
+    from mrc_xdp.datapath.bpfsys import prog_test_run
     if r.before:
         r.before()
     _, _, ns = prog_test_run(r.fd, r.frame, repeat=repeat, ifindex=r.ifindex)
@@ -828,7 +828,7 @@ def main(argv=None) -> int:
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, on_term)
 
-    from mrc_xdp import loader, netns
+    from mrc_xdp.datapath import loader, netns
 
     ns = "mrcbench%d" % os.getpid()
     small_repeat = min(args.repeat, SMALL_REPEAT)

@@ -13,7 +13,7 @@ with PNG plots.
     (its EVs spread over the 4 paths) and one TCP flow whose ECMP path is the lossy one;
 (d) a ring all-reduce among the 4 hosts (sum of float32 arrays, fixed-size chunks, result
     verified) over MRC (an Endpoint per host on its lab instance, QPs to the ring
-    neighbours exchanged through mrc_xdp.bootstrap) and over TCP sockets, time per
+    neighbours exchanged through mrc_xdp.transport.bootstrap) and over TCP sockets, time per
     iteration, healthy and with a T1 flapping;
 (e) datapath ns/packet vs XDP_PASS and a bare forwarder (tools/bench_xdp.py).
 
@@ -154,14 +154,17 @@ class Lab:
         self.tmp = tempfile.mkdtemp(prefix="evaluate-")
 
     def __enter__(self):
-        from mrc_xdp import bootstrap, health, netns
+        from mrc_xdp.transport import bootstrap
+        from mrc_xdp.lab import ctlpath
+        from mrc_xdp.health import daemon as health
+        from mrc_xdp.datapath import netns
         from mrc_xdp.lab import fabric, hosts, topology
         from mrc_xdp.lab import linkmodel as lmod
         log("lab %s: bringing up the default topology (%s)" % (self.prefix, self.mode))
         self.st = fabric.up(topology.load(mode=self.mode), prefix=self.prefix, hosts_hook=hosts.fabric_hook)
         self.topo = fabric.topology_of(self.st)
         self.lm = lmod.LinkModel.open(self.st["pin_dir"])
-        self.ctl = bootstrap.lab_control_path(self.prefix, self.topo)
+        self.ctl = ctlpath.lab_control_path(self.prefix, self.topo)
         for h in self.topo.hosts:     # a TCP flow keeps its path on RTO (as on hardware ECMP)
             netns.run(self.prefix + h.name, bootstrap._sysctl, "net.core.txrehash", "0")
         self.sock = os.path.join(self.tmp, "events.sock")
@@ -396,7 +399,8 @@ def role_allreduce(a):
     """One host of the ring: prints 'ready', waits for 'go' on stdin, runs a.iters
     all-reduces, prints a JSON line {times, verified}."""
     import numpy as np
-    from mrc_xdp import bootstrap, netns
+    from mrc_xdp.transport import bootstrap
+    from mrc_xdp.datapath import netns
     n, rank = a.n, a.rank
     ctl = json.loads(a.ctl)
     nxt, prv = (rank + 1) % n, (rank - 1) % n
@@ -908,7 +912,7 @@ def section_d(w, r, args):
       "all-gather steps), segments sent in fixed %d KiB chunks, %d iterations, the result checked against "
       "numpy's sum every iteration. Over MRC each host is a process with an Endpoint on its lab instance and "
       "two QPs (to the next host, from the previous one) whose attributes and MRs are exchanged through "
-      "mrc_xdp.bootstrap over the lab's control path; chunks are RDMA Writes with Immediate into a staging "
+      "mrc_xdp.transport.bootstrap over the lab's control path; chunks are RDMA Writes with Immediate into a staging "
       "region of the next host. Over TCP the same processes use one socket to each ring neighbour (plane 0 "
       "control addresses). Time per iteration is the slowest host's. Flapping: %s (the plane-0 T1 that "
       "carried most of the healthy TCP ring; each TCP run's connections hash anew, the table says how much "

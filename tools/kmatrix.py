@@ -16,7 +16,7 @@ second run needs no network.
 `run` boots that kernel under QEMU with TCG (never KVM: /dev/kvm may be a paravirtual
 one that runs ordinary guests ~100x slower than TCG) through virtme-ng, whose guest uses
 the host's own root file system read-only: the guest runs this checkout with the host's
-venv, bcc and kernel headers tree (mrc_xdp.kheaders; the guest has no
+venv, bcc and kernel headers tree (mrc_xdp.datapath.kheaders; the guest has no
 /lib/modules/<ver>/build).  Inside, pytest runs the given tests (default: the verifier
 test; tests/test_kernel_matrix.py passes it a sample of tier-1 cases, one bcc build for
 all) and writes its output and exit code to a scratch directory the guest may write.  Exit code: pytest's
@@ -161,7 +161,7 @@ def fetch(name: str) -> tuple:
 
 def _headers_tree() -> str:
     sys.path.insert(0, ROOT)
-    from mrc_xdp import kheaders
+    from mrc_xdp.datapath import kheaders
     env = dict(os.environ)
     # The guest mounts a tmpfs on /lib/modules: pass the tree by its real path.
     return os.path.realpath(kheaders.ensure(env))

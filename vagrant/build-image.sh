@@ -101,7 +101,7 @@ mkdir -p "$D"
 # keep .venv, the built engine and the editable install's metadata (mrc_xdp.egg-info: the
 # console script `mrc-xdp` finds its entry point there): setup.sh reinstalls only when
 # their inputs changed
-so=$(cd "$D" && ls mrc_xdp/_engine*.so 2>/dev/null || true)
+so=$(cd "$D" && ls mrc_xdp/transport/_engine*.so 2>/dev/null || true)
 [ -z "$so" ] || mv "$D/$so" "$OUT/engine.so.keep"
 find "$D" -mindepth 1 -maxdepth 1 ! -name .venv ! -name build ! -name '*.egg-info' -exec rm -rf {} +
 if [ -n "${FILES:-}" ]; then        # the list vm.py hashed (package, bpf/, set-up)

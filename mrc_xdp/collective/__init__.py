@@ -10,9 +10,9 @@ barrier, send/recv among world_size ranks, one rank per datapath instance.
 
 Knows nothing of PyTorch: mrc_xdp.torch adapts it to torch.distributed.
 """
-from .comm import CollectiveError, Communicator
-from .reduce import DTYPES, ReduceOp
-from .store import StoreClient, StoreError, StoreServer, TorchStore
+from mrc_xdp.collective.comm import CollectiveError, Communicator
+from mrc_xdp.collective.reduce import DTYPES, ReduceOp
+from mrc_xdp.collective.store import StoreClient, StoreError, StoreServer, TorchStore
 
 __all__ = ["Communicator", "CollectiveError", "ReduceOp", "DTYPES", "StoreServer", "StoreClient",
            "StoreError", "TorchStore"]

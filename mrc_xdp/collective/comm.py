@@ -37,8 +37,8 @@ from collections import deque
 
 import numpy as np
 
-from .. import transport
-from .reduce import ReduceOp, divide, dtype_name, reduce_into
+from mrc_xdp import transport
+from mrc_xdp.collective.reduce import ReduceOp, divide, dtype_name, reduce_into
 
 CREDIT = 1 << 31
 

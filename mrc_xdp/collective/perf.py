@@ -14,7 +14,6 @@ MASTER_PORT) or the flags.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -35,7 +34,7 @@ class PerfError(RuntimeError):
 def parse_size(v: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(v), re.I)
     if not m:
-        raise argparse.ArgumentTypeError("size %r: use bytes, or a number with K, M or G" % v)
+        raise ValueError("size %r: use bytes, or a number with K, M or G" % v)
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
@@ -245,40 +244,3 @@ def _header(out, args, world, cls):
         "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"))
     out.write("# %10s  %12s  %8s  %6s  %6s  %9s  %7s  %7s  %6s\n" % (
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""))
-
-
-def add_parsers(sub) -> None:
-    for tool, cls in COLLECTIVES.items():
-        p = sub.add_parser(tool, help="%s bandwidth table, as nccl-tests' %s_perf" % (cls.name, cls.name),
-                           description=__doc__.split("\n\n")[1].replace("\n", " "))
-        p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("32M"), help="smallest size (32M)")
-        p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"), help="largest size (32M)")
-        p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between rows (2)")
-        p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (20)")
-        p.add_argument("-w", "--warmup-iters", type=int, default=5, help="warm-up iterations (5)")
-        p.add_argument("-d", "--dtype", choices=DTYPES, default="float32")
-        p.add_argument("-o", "--op", choices=OPS, default="sum")
-        p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check the results (1)")
-        p.add_argument("--backend", choices=("mrc", "gloo"), default="mrc")
-        p.add_argument("--rank", type=int)
-        p.add_argument("--world-size", type=int)
-        p.add_argument("--master-addr")
-        p.add_argument("--master-port", type=int)
-        p.add_argument("-i", "--instance", help="datapath instance of this rank (default $MRC_INSTANCE)")
-        p.add_argument("--timeout", type=float, default=300, help="collective timeout, seconds (300)")
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(fn=_cmd, tool=tool)
-
-
-def _cmd(args) -> None:
-    from .comm import CollectiveError
-    try:
-        rc = run(args)
-    except (PerfError, CollectiveError) as e:
-        print("%s: %s" % (args.tool, str(e).splitlines()[0]), file=sys.stderr)
-        raise SystemExit(1) from None
-    except RuntimeError as e:          # torch.distributed: a store or backend error
-        print("%s: %s" % (args.tool, str(e).splitlines()[0]), file=sys.stderr)
-        raise SystemExit(1) from None
-    if rc:
-        raise SystemExit(rc)

@@ -35,11 +35,12 @@ import subprocess
 import threading
 import time
 
-from .. import conns, names, netns
-from ..maps import PIN_ROOT, STATE_DIR
-from . import linkmodel as lmod
-from .executor import NetnsNode
-from .topology import Topology, from_dict
+from mrc_xdp.transport import conns
+from mrc_xdp.datapath import names, netns
+from mrc_xdp.datapath.maps import PIN_ROOT, STATE_DIR
+from mrc_xdp.lab import linkmodel as lmod
+from mrc_xdp.lab.executor import NetnsNode
+from mrc_xdp.lab.topology import Topology, from_dict
 
 DEFAULT_PREFIX = "mrc-"
 PREFIX_MAX = 16   # + a host name (<= 8) = an instance name well inside the 32 allowed
@@ -318,12 +319,12 @@ def _batch(topo: Topology, node: str) -> list[str]:
 
 
 def _mrc0_mac(h) -> str:
-    from .topology import mac_of
+    from mrc_xdp.lab.topology import mac_of
     return mac_of(h.app_ifindex)
 
 
 def _mrc0p_mac(h) -> str:
-    from .topology import mac_of
+    from mrc_xdp.lab.topology import mac_of
     return mac_of(h.fab_ifindex)
 
 

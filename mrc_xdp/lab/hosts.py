@@ -14,7 +14,7 @@
   a destination on the same T0 (t1_pos -1).
 
 ``fabric_hook`` is what ``lab up`` runs after the fabric: it loads every host's datapath
-with ``mrc_xdp.loader`` inside the host's netns, then puts the link model back in front
+with ``mrc_xdp.datapath.loader`` inside the host's netns, then puts the link model back in front
 of the datapath's ingress on each plane NIC: the link model stays attached and
 tail-calls the ingress program (mrc_lnext), so the last hop to a host is modelled too.
 """
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 
-from ..config import HostConfig
-from . import linkmodel as lmod
-from .topology import Topology
+from mrc_xdp.datapath.config import HostConfig
+from mrc_xdp.lab import linkmodel as lmod
+from mrc_xdp.lab.topology import Topology
 
 EV_PER_PLANE = 8          # active EVs per plane per connection (a multiple of t1_per_plane is best)
 BACKUP_PER_PLANE = 4
@@ -103,8 +103,8 @@ def discover_ecmp_evs(topo: Topology, prefix: str, lm: "lmod.LinkModel", progres
     import random
     import socket
     import time
-    from .. import netns, wire
-    from .fabric import LabError
+    from mrc_xdp.datapath import netns, wire
+    from mrc_xdp.lab.fabric import LabError
 
     t1s = topo.t1_per_plane
     if ev_per_plane % t1s or backup_per_plane % t1s:
@@ -191,8 +191,8 @@ def chain_ingress(topo: Topology, prefix: str, host: str, lm: "lmod.LinkModel",
     """Link model first on the host's plane NICs, then (tail call) the datapath's ingress.
     netns_name: the host's namespace (default: the netns lab's <prefix><host>; None on a
     VM); ifindex_of(ifname): the device's ifindex where it is not the topology's (a VM)."""
-    from ..maps import pin_dir as dp_pin_dir
-    from .. import bpfsys
+    from mrc_xdp.datapath.maps import pin_dir as dp_pin_dir
+    from mrc_xdp.datapath import bpfsys
     ns = prefix + host if netns_name is _HERE else netns_name
     fd = bpfsys.obj_get(os.path.join(dp_pin_dir(instance_name(prefix, host)), "prog_ingress"))
     try:
@@ -209,7 +209,7 @@ def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm,
               netns_name=_HERE, ifindex_of=None) -> dict:
     """Load a host's datapath in its namespace (netns lab) or here (netns_name=None: on
     the host's VM), behind the link model (lm None: no link model in front)."""
-    from .. import loader
+    from mrc_xdp.datapath import loader
     ns = prefix + host if netns_name is _HERE else netns_name
     st = loader.load(cfg, netns_name=ns, force=True)
     if lm is not None:
@@ -254,8 +254,8 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
     """Load every host's datapath (in parallel worker processes: each bcc compile is
     ~1.5 s of one CPU).  Returns {host: {instance, load_s, connections}}."""
     import multiprocessing as mp
-    from . import fabric
-    from .fabric import LabError
+    from mrc_xdp.lab import fabric
+    from mrc_xdp.lab.fabric import LabError
     evs = None
     if topo.mode == "ecmp" and topo.t1_per_plane > 1:
         with lmod.LinkModel.open(state["pin_dir"]) as lm:
@@ -300,8 +300,8 @@ def fabric_hook(topo: Topology, prefix: str, state: dict, progress, workers: int
 
 def unload_all(state: dict) -> None:
     """Detach and unpin every host datapath of a lab (down removes the namespaces anyway)."""
-    from .. import loader
-    from .fabric import created
+    from mrc_xdp.datapath import loader
+    from mrc_xdp.lab.fabric import created
     names = [v["instance"] for v in (state.get("hosts") or {}).values()]
     names += [i for i in created(state, "instances") if i not in names]
     for inst in names:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from . import fabric
+from mrc_xdp.lab import fabric
 
 GRACE_S = 5.0
 
@@ -39,12 +39,12 @@ class LaunchError(fabric.LabError):
 
 
 def rank_env(prefix: str, topo, hosts: list[str], rank: int, port: int) -> dict:
-    from .. import bootstrap
+    from mrc_xdp.lab import ctlpath
     return {"RANK": str(rank), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "ROLE_RANK": str(rank),
-            "MASTER_ADDR": bootstrap.ctl_addr(topo, 0, hosts[0]), "MASTER_PORT": str(port),
+            "MASTER_ADDR": ctlpath.ctl_addr(topo, 0, hosts[0]), "MASTER_PORT": str(port),
             "MRC_INSTANCE": prefix + hosts[rank],
-            "MRC_CTL_ADDR": bootstrap.ctl_addr(topo, 0, hosts[rank])}
+            "MRC_CTL_ADDR": ctlpath.ctl_addr(topo, 0, hosts[rank])}
 
 
 def launch(prefix: str, cmd: list[str], hosts: list[str] | None = None, timeout: float | None = None,

@@ -17,9 +17,9 @@ import ctypes
 import errno
 import os
 
-from .. import bpfsys, shared
-from ..loader import XDP_FLAGS_DRV_MODE, XDP_FLAGS_SKB_MODE
-from ..shared import ffi
+from mrc_xdp.datapath import bpfsys, shared
+from mrc_xdp.datapath.loader import XDP_FLAGS_DRV_MODE, XDP_FLAGS_SKB_MODE
+from mrc_xdp.datapath.shared import ffi
 
 LINKMODEL_SRC_NAME = "linkmodel.c"     # in bpf/
 PROG_NAME = shared.MAP_NAMES["MRC_PROG_LINK"]
@@ -71,8 +71,8 @@ def ensure_bpffs() -> None:
 
 def compile_program():
     """(bcc.BPF, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s), through
-    mrc_xdp.bpfsrc like the datapath (local headers inlined, so map calls in them work)."""
-    from ..bpfsrc import compile_bpf
+    mrc_xdp.datapath.bpfsrc like the datapath (local headers inlined, so map calls in them work)."""
+    from mrc_xdp.datapath.bpfsrc import compile_bpf
     from bcc import BPF  # late: only loaders need bcc
     b = compile_bpf(LINKMODEL_SRC_NAME)
     fn = b.load_func(PROG_NAME.encode(), BPF.XDP)
@@ -267,7 +267,7 @@ def _xcheck(rc: int, what: str) -> int:
 
 def xdp_attach(ifindex: int, prog_fd: int, mode: str = "drv", netns_name: str | None = None) -> None:
     """Attach an XDP program (replacing any) to a device of netns `netns_name`."""
-    from .. import netns
+    from mrc_xdp.datapath import netns
     _, lib = _libbpf()
     flags = XDP_FLAGS_DRV_MODE if mode == "drv" else XDP_FLAGS_SKB_MODE
     with netns.enter(netns_name):
@@ -276,7 +276,7 @@ def xdp_attach(ifindex: int, prog_fd: int, mode: str = "drv", netns_name: str | 
 
 
 def xdp_detach(ifindex: int, mode: str = "drv", netns_name: str | None = None) -> None:
-    from .. import netns
+    from mrc_xdp.datapath import netns
     _, lib = _libbpf()
     flags = XDP_FLAGS_DRV_MODE if mode == "drv" else XDP_FLAGS_SKB_MODE
     with netns.enter(netns_name):
@@ -285,7 +285,7 @@ def xdp_detach(ifindex: int, mode: str = "drv", netns_name: str | None = None) -
 
 def xdp_prog_id(ifindex: int, netns_name: str | None = None) -> int:
     """The id of the native XDP program on a device (0: none)."""
-    from .. import netns
+    from mrc_xdp.datapath import netns
     ffi_, lib = _libbpf()
     out = ffi_.new("uint32_t *")
     with netns.enter(netns_name):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import socket
 
-from .. import netns, wire
-from .topology import Topology
+from mrc_xdp.datapath import netns, wire
+from mrc_xdp.lab.topology import Topology
 
 ETH_P_ALL = 0x0003
 

@@ -55,9 +55,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..shared import const
-from .. import validate as V
-from ..validate import int_in, no_unknown_keys, read_toml
+from mrc_xdp.datapath.shared import const
+from mrc_xdp.datapath import validate as V
+from mrc_xdp.datapath.validate import int_in, no_unknown_keys, read_toml
 
 DEFAULT_TOPOLOGY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.toml")
 

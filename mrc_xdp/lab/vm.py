@@ -42,10 +42,10 @@ import tarfile
 import time
 import zlib
 
-from ..maps import STATE_DIR
-from . import fabric
-from .executor import SshNode
-from .topology import Topology, from_dict
+from mrc_xdp.datapath.maps import STATE_DIR
+from mrc_xdp.lab import agent, fabric
+from mrc_xdp.lab.executor import SshNode
+from mrc_xdp.lab.topology import Topology, from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VAGRANT_DIR = os.path.join(ROOT, "vagrant")
@@ -366,8 +366,8 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
     (each bcc build costs 1-4 min of a TCG guest's CPU)."""
     names = list(topo.nodes)
     t = time.monotonic()
-    _parallel(lambda n: execs[n].call(
-        "wire_vm", ports=[{"ifname": c["ifname"], "mac": c["mac"], "mtu": c["mtu"]}
+    _parallel(lambda n: agent.call(
+        execs[n], "wire_vm", ports=[{"ifname": c["ifname"], "mac": c["mac"], "mtu": c["mtu"]}
                           for c in pl["nodes"][n]["nics"]],
         veth=pl["nodes"][n]["veth"], sysctls=fabric.node_sysctls(topo, n)), names)
     progress("  NICs named by MAC, mrc0/mrc0p on hosts  %.1fs" % (time.monotonic() - t))
@@ -380,7 +380,7 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
     t = time.monotonic()
     lm_nodes = set(names) if linkmodel is True else set(linkmodel or ())
     busy = [n for n in names if n in lm_nodes or (hosts and topo.nodes[n].kind == "host")]
-    res = _parallel(lambda n: execs[n].call("vm_datapaths", topo=topo.to_dict(), prefix=prefix,
+    res = _parallel(lambda n: agent.call(execs[n], "vm_datapaths", topo=topo.to_dict(), prefix=prefix,
                                             node=n, pin_dir=fabric.pin_dir(prefix), hosts=hosts,
                                             linkmodel=n in lm_nodes), busy)
     progress("  link model on %d VMs%s (bcc in the guests)  %.1fs"
@@ -389,14 +389,15 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
 
 
 def control_path(topo: Topology, prefix: str, execs: dict, progress=_noop) -> dict:
-    """The lab control path (bootstrap.lab_control_path, the netns lab's function, over
+    """The lab control path (ctlpath.lab_control_path, the netns lab's function, over
     SSH): every host gets one control address per plane, routed by that plane's switches,
     for the TCP bootstrap of `mrc-xdp send/recv/write-bw` (a host's plane-0 address is its
     control address).  Returns {host: [address per plane]}."""
-    from .. import bootstrap
+    from mrc_xdp.transport import bootstrap
+    from mrc_xdp.lab import ctlpath
     t = time.monotonic()
     try:
-        addrs = bootstrap.lab_control_path(prefix, topo, execs=execs)
+        addrs = ctlpath.lab_control_path(prefix, topo, execs=execs)
     except bootstrap.BootstrapError as e:
         raise VmError(str(e)) from None
     progress("  control path (TCP bootstrap addresses per plane)  %.1fs" % (time.monotonic() - t))
@@ -633,7 +634,7 @@ def set_link(prefix: str, target: str | None, node_ok: bool = False, warn=None, 
     on it (executor agent ``link_update``).  Ends into a VM without the link model are
     not modelled: they are left out and named through warn(msg); none at all is an error.
     target None: every end.  Returns the ends changed."""
-    from .cli import resolve_ends
+    from mrc_xdp.lab.links import resolve_ends
     st = load_state(prefix)
     if not st.get("complete"):
         raise fabric.LabNotUp("VM lab %r is not completely up (an `up` failed or is running): "
@@ -652,7 +653,7 @@ def set_link(prefix: str, target: str | None, node_ok: bool = False, warn=None, 
                       "--no-linkmodel loads it on every VM)"
                       % (target or "every link", ", ".join(e[0] for e in skipped), prefix, ", ".join(sorted(have)) or "none"))
     execs = execs_of(st)
-    _parallel(lambda n: execs[n].call("link_update", pin_dir=fabric.pin_dir(prefix), ifnames=by_node[n],
+    _parallel(lambda n: agent.call(execs[n], "link_update", pin_dir=fabric.pin_dir(prefix), ifnames=by_node[n],
                                       changes=changes, timeout=120), list(by_node))
     if skipped and target is not None and warn:
         warn("not modelled (no link model in VM %s): %s"
@@ -685,7 +686,7 @@ def status(prefix: str, timeout: float = 120) -> dict:
     model's settings and counters, read in the VM that receives on it (executor agent
     ``link_status``, one call per VM, in parallel).  An end into a VM without the link
     model, or into one that is frozen or does not answer, is named with the reason."""
-    from .cli import link_row, node_row, resolve_ends
+    from mrc_xdp.lab.links import link_row, node_row, resolve_ends
     st = load_state(prefix)
     if not st.get("complete"):
         raise fabric.LabNotUp("VM lab %r is not completely up (an `up` failed or is running): "
@@ -709,7 +710,7 @@ def status(prefix: str, timeout: float = 120) -> dict:
     def probe(n):
         try:
             if n in want:
-                return execs[n].call("link_status", pin_dir=fabric.pin_dir(prefix), ifnames=want[n],
+                return agent.call(execs[n], "link_status", pin_dir=fabric.pin_dir(prefix), ifnames=want[n],
                                      timeout=timeout)
             execs[n].run(["true"], timeout=min(timeout, 30))
             return {}

@@ -1,0 +1,80 @@
+"""mrc-xdp: load the MRC datapath onto a host, inspect live per-EV state, run the lab.
+
+The CLI is the only package that knows argparse; it is a thin layer over the library
+packages, one module per command group:
+
+- ``datapath``: load, unload, status, ev, plane, stats, events, version
+- ``observe``: metrics, top
+- ``transport``: write-bw, write-lat, send, recv, qps
+- ``collective``: allreduce-perf, allgather-perf, reducescatter-perf, bcast-perf
+- ``health``: daemon, fabric check
+- ``lab``: lab up / down / status / exec / launch / link / fail / heal / vm ...; ``demo``
+
+Every command has --json where a script may want it.  Errors are one line on stderr,
+exit status 1 (2 for usage).  Library errors are turned into that line here (``main``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mrc_xdp.cli.common import CliError  # noqa: F401 - where callers have always found it
+
+EPILOG = """\
+examples:
+  mrc-xdp load --config host.toml            load the datapath described in host.toml
+  mrc-xdp stats --watch                      live counters and per-EV rates, every second
+  mrc-xdp ev list --state ASSUMED_BAD        EVs the datapath has retired
+  mrc-xdp ev deny 0x3d3ec531                 take one path out of service
+  mrc-xdp unload                             detach everything, remove pins
+  mrc-xdp demo                               the whole story on a lab fabric, in a minute
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mrc-xdp", description="MRC (Multipath Reliable Connection) on Linux hosts with XDP: "
+        "load the multipath datapath, watch per-path (per-EV) health, run the lab fabric.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    from mrc_xdp.cli import collective, datapath, demo, health, lab, observe, transport
+    datapath.add_parsers(sub)       # load, unload, status, ev, plane, stats, events, version
+    observe.add_parsers(sub)        # metrics, top
+    demo.add_parsers(sub)           # demo
+    transport.add_parsers(sub)      # write-bw, write-lat, send, qps, recv
+    collective.add_parsers(sub)     # allreduce-perf, allgather-perf, ...
+    health.add_parsers(sub)         # daemon, fabric check
+    lab.add_parser(sub)             # lab ...
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "fn", None):
+        p.print_help()
+        return 2
+    from mrc_xdp.datapath.config import ConfigError
+    from mrc_xdp.datapath.loader import LoadError
+    from mrc_xdp.datapath.maps import NotLoaded
+    from mrc_xdp.datapath.bpfsys import BpfError
+    from mrc_xdp.datapath.netns import NetnsError
+    try:
+        args.fn(args)
+    except (CliError, ConfigError, LoadError, NotLoaded) as e:
+        print("mrc-xdp: %s" % e, file=sys.stderr)
+        return 1
+    except NetnsError as e:
+        print("mrc-xdp: %s" % (e.strerror or e), file=sys.stderr)
+        return 1
+    except BpfError as e:
+        hint = " (needs root)" if e.errno in (1, 13) else ""
+        print("mrc-xdp: %s%s" % (e.strerror if e.strerror else e, hint), file=sys.stderr)
+        return 1
+    except PermissionError as e:
+        print("mrc-xdp: %s: permission denied (needs root)" % (e.filename or e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,52 @@
+"""Compile the project's BPF sources with bcc.
+
+bcc rewrites map method calls (``mrc_stats.lookup(&k)``) only in the main file it is
+given, not in included headers, so our header-only helpers (bpf/*.h) are inlined into
+one translation unit here: every ``#include "x.h"`` is replaced by the file's text,
+once per file.  System includes (``<linux/...>``) are left to the compiler.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from mrc_xdp.datapath import kheaders
+from mrc_xdp.datapath.shared import BPF_DIR
+
+CFLAGS = [
+    "-I" + BPF_DIR,
+    "-Wno-unused-value",
+    "-Wno-pointer-sign",
+    "-Wno-compare-distinct-pointer-types",
+    "-Wno-unknown-warning-option",
+]
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def amalgamate(path: str, _seen: set | None = None) -> str:
+    seen = _seen if _seen is not None else set()
+    path = os.path.abspath(path)
+    if path in seen:
+        return ""
+    seen.add(path)
+    with open(path) as f:
+        text = f.read()
+    base = os.path.dirname(path)
+
+    def sub(m):
+        inc = os.path.join(base, m.group(1))
+        if not os.path.exists(inc):
+            inc = os.path.join(BPF_DIR, m.group(1))
+        return "/* --- %s --- */\n%s" % (m.group(1), amalgamate(inc, seen))
+
+    return _INCLUDE.sub(sub, text)
+
+
+def compile_bpf(filename: str, cflags: list[str] | None = None):
+    """bcc.BPF for bpf/<filename>, built from the amalgamated source."""
+    kheaders.ensure()
+    from bcc import BPF  # imported late: only loaders need bcc
+
+    src = amalgamate(os.path.join(BPF_DIR, filename))
+    return BPF(text=src.encode(), cflags=CFLAGS + list(cflags or []))
