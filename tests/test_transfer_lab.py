@@ -194,7 +194,7 @@ def _rtx_bound(loss, pkts):
 
 def test_transfer_and_runtime_qp(lab):
     r = transfer(lab, [("h0", "h2")], 16 << 20)[0]
-    assert r["tx"]["rtx_pkts"] <= _rtx_bound(0, r["tx"]["tx_pkts"])
+    assert r["tx"]["rtx_pkts"] <= _rtx_bound(0, r["tx"]["tx_pkts"]), r["tx"]
     # a QP the lab's config does not list: its connection is added at connect, and gone after
     from mrc_xdp.transport import conns
     from mrc_xdp.datapath.maps import Instance

@@ -388,7 +388,7 @@ class CQ:
 
 # -------------------------------------------------------------------- endpoint
 
-_OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "retry_limit",
+_OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
               "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace")
@@ -402,7 +402,7 @@ class Endpoint:
     instance's pinned XSKMAP, and starts the C progress thread.  mtu: payload bytes
     per data packet (default: the largest app_dev's MTU allows, see default_payload).
     Keyword options (engine.h struct mrc_eng_opts, 0 = default): ack_every,
-    ack_delay_us, rto_min_us, rto_max_us, retry_limit, loss_reorder, window, frames,
+    ack_delay_us, rto_min_us, rto_max_us, rto_bulk_us, retry_limit, loss_reorder, window, frames,
     ring, zero_copy, timestamps (1: TSETH on data, reflected in SACKs, which the
     datapath's time-based loss rule dates packets by; default none), dscp_*, and the
     NSCC window cc_init_cwnd, cc_min_cwnd,

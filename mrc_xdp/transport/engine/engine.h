@@ -93,6 +93,10 @@ struct mrc_eng_opts {
 	uint32_t cc_max_md;         /* max decrease per RTT, percent (default 50) */
 	uint32_t cc_pace;           /* 1 (default): pace at cwnd per min RTT, in flight up to 4 cwnd;
 	                             * 2: window only (cwnd bytes in flight, no pacing) */
+	uint32_t rto_bulk_us;       /* an expiry presumes everything in flight lost only after the
+	                             * peer has been silent this long (10000); before that it only
+	                             * probes: a peer (or this thread) descheduled for a few ms on
+	                             * a busy host must not cost a window of resends */
 };
 
 struct mrc_eng_stats {
@@ -164,6 +168,7 @@ struct mrc_qp_stats {
 	uint64_t retries;           /* consecutive timeouts now */
 	uint64_t rtt_ts;            /* RTT samples from reflected TSETH timestamps */
 	uint64_t retries_max;       /* most timeouts in a row (past retry_limit: QP error) */
+	uint64_t rto_deferred;      /* expiries put off: feedback still waiting in the RX ring */
 };
 
 struct mrc_eng;
