@@ -591,7 +591,7 @@ def fmt_s(v, unit="ms"):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md (section \"Failover\")", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench_failover"))
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--fault", type=float, default=2.0, help="seconds the T1 stays blackholed")

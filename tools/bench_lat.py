@@ -15,7 +15,7 @@ import bench_transport as bt  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--mtu", type=int, default=1500)

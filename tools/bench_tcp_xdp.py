@@ -248,7 +248,7 @@ class Bench:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md (section \"Plain TCP over veth with XDP attached\")", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=1.5, help="iperf3 time per measurement")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated conditions (none is always measured)")

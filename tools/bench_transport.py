@@ -496,7 +496,7 @@ def part_b(args, out):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md (section \"Transport\")", description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["a", "b", "all"], default="all")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=4)

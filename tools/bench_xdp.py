@@ -804,7 +804,7 @@ def print_table(s):
 # ------------------------------------------------------------------ main
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="ns/packet of the MRC XDP programs against an "
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md (section \"Datapath cost\")", description="ns/packet of the MRC XDP programs against an "
                                              "empty XDP_PASS program (BPF_PROG_TEST_RUN)")
     ap.add_argument("--repeat", type=int, default=1_000_000, help="runs per test run (default 1000000)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds; medians reported (default 7)")

@@ -29,7 +29,7 @@ from mrc_xdp import transport  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(epilog="method and latest figures: docs/benchmarks.md", description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true")

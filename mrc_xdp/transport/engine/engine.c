@@ -1312,6 +1312,14 @@ static void advance_una(struct mrc_eng *e, struct qp *q, uint64_t now)
 	complete_wrs(e, q);
 }
 
+/* feedback from the peer, in the window: how long it had been silent (with data in flight) */
+static void fb_seen(struct qp *q, uint64_t now)
+{
+	if (q->fb_ns && now - q->fb_ns > q->st.fb_gap_max_ns)
+		q->st.fb_gap_max_ns = now - q->fb_ns;
+	q->fb_ns = now;
+}
+
 static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 {
 	uint32_t cack = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una), base, trig, i, p;
@@ -1329,7 +1337,7 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		e->st.fb_oow++;
 		return;
 	}
-	q->fb_ns = now;
+	fb_seen(q, now);
 	if (m == MRC_M_SKIP_ONCE)
 		q->st.sacks_rx_ecn++;
 	if (h[17])
@@ -1418,7 +1426,7 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		e->st.fb_oow++;
 		return;
 	}
-	q->fb_ns = now_ns();
+	fb_seen(q, now_ns());
 	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
 		if (t->state != TXP_INFLIGHT)
 			return;
@@ -1666,8 +1674,11 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		*next = q->ack_deadline;
 	if (q->snd_una == q->snd_next) {
 		q->rto_deadline = 0;
+		q->fb_ns = 0;               /* nothing in flight: the peer owes us nothing */
 		return;
 	}
+	if (!q->fb_ns)
+		q->fb_ns = now;             /* a flight began: the peer's silence counts from here */
 	if (!q->rto_deadline)
 		q->rto_deadline = now + q->rto;
 	if (now >= q->rto_deadline && rx_backlog) {
@@ -1796,7 +1807,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(ack_delay_us, 50);
 	DEF(rto_min_us, 1000);      /* the RTO is max(srtt + 4 rttvar, this) */
 	DEF(rto_max_us, 500000);
-	DEF(rto_bulk_us, 10000);
+	DEF(rto_bulk_us, 50000);
 	DEF(retry_limit, 12);
 	DEF(loss_reorder, 32);
 	DEF(window, MRC_PSN_RING / 2);   /* the datapath counts feedback for < MRC_PSN_RING in flight */

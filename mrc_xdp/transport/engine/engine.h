@@ -94,7 +94,7 @@ struct mrc_eng_opts {
 	uint32_t cc_pace;           /* 1 (default): pace at cwnd per min RTT, in flight up to 4 cwnd;
 	                             * 2: window only (cwnd bytes in flight, no pacing) */
 	uint32_t rto_bulk_us;       /* an expiry presumes everything in flight lost only after the
-	                             * peer has been silent this long (10000); before that it only
+	                             * peer has been silent this long (50000); before that it only
 	                             * probes: a peer (or this thread) descheduled for a few ms on
 	                             * a busy host must not cost a window of resends */
 };
@@ -169,6 +169,8 @@ struct mrc_qp_stats {
 	uint64_t rtt_ts;            /* RTT samples from reflected TSETH timestamps */
 	uint64_t retries_max;       /* most timeouts in a row (past retry_limit: QP error) */
 	uint64_t rto_deferred;      /* expiries put off: feedback still waiting in the RX ring */
+	uint64_t fb_gap_max_ns;     /* longest time with data in flight and no feedback read (the
+	                             * peer silent, or this thread descheduled) */
 };
 
 struct mrc_eng;
