@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 
