@@ -1,0 +1,32 @@
+"""The fleet: an Ansible inventory of running lab hosts, and a Prometheus scrape config
+generated from the same inventory (deploy/ansible/, deploy/prometheus/, docs/fleet.md).
+
+The CLI this package is written for (not wired into mrc_xdp/cli.py yet; until it is,
+``python -m mrc_xdp.fleet`` takes the same arguments):
+
+    mrc-xdp lab inventory [--prefix P] [-o FILE] [--json] [--state-dir DIR]
+                          [--metrics-port N] [--checkout DIR]
+        write an Ansible inventory of the running lab P (netns hosts driven locally in
+        their namespace, VM hosts over SSH with the lab's key and forwarded ports);
+        -o FILE: write it there (JSON, which Ansible's YAML inventory plugin reads),
+        else print it.  --json: print a one-line summary as JSON instead of text.
+        -> fleet.inventory.lab_inventory(prefix, state_dir, metrics_port, checkout)
+           fleet.inventory.write(inv, path)
+
+    mrc-xdp fleet prometheus-config --inventory FILE [-o FILE] [--targets FILE]
+                          [--rules FILE]... [--interval S] [--job NAME]
+        a Prometheus configuration scraping every host's metrics endpoint named in the
+        inventory (its rule files given by --rules, e.g. deploy/prometheus/mrc-xdp.rules.yml);
+        --targets FILE: also write the targets as a file_sd JSON file and point the
+        config at it (a running Prometheus then follows fleet changes without a reload).
+        -> fleet.prometheus.scrape_config(inv, rule_files, interval, job, targets_file)
+           fleet.prometheus.targets(inv)
+
+Library code: plain arguments in, dicts out, FleetError (one line) on failure; it never
+imports mrc_xdp.cli.
+"""
+from __future__ import annotations
+
+
+class FleetError(RuntimeError):
+    """A fleet operation failed; str() is one line saying what and what to do."""
