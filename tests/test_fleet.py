@@ -103,7 +103,8 @@ def play(lab, playbook: str, *extra: str, check: bool = True, timeout: float = 1
                        capture_output=True, text=True, timeout=timeout, env=env)
     recap = {m[0]: tuple(int(x) for x in m[1:]) for m in RECAP.findall(p.stdout)}
     if check:
-        assert p.returncode == 0, (playbook, p.returncode, p.stdout[-3000:], p.stderr[-2000:])
+        fatal = [l for l in p.stdout.splitlines() if l.startswith(("fatal:", "failed:", "ERROR", "[ERROR]"))]
+        assert p.returncode == 0, (playbook, p.returncode, fatal[:4] or p.stdout[-3000:], p.stderr[-2000:])
     return {"out": p.stdout, "err": p.stderr, "rc": p.returncode, "recap": recap, "s": time.monotonic() - t}
 
 
@@ -235,7 +236,7 @@ def test_deploy_loads_every_host_and_is_idempotent(deployed):
         assert HostConfig.from_toml(path) == want
     again = play(lab, "deploy.yml")
     assert set(again["recap"]) >= {lab["prefix"] + h for h in HOSTS}
-    assert all(r[1] == 0 and r[4] == 0 for r in again["recap"].values()), again["recap"]
+    assert all(r[1] == 0 and r[3] == 0 for r in again["recap"].values()), again["recap"]
 
 
 # ------------------------------------------------------------------ Prometheus
@@ -275,13 +276,19 @@ def test_prometheus_scrapes_every_host(deployed, prom):
 # ------------------------------------------------------------------ fleet-wide operations
 
 def _plane_tx(lab) -> dict:
-    """MRC packets the hosts sent into the fabric, per plane (the T0 ends of host links)."""
+    """{plane: [MRC packets, bytes]} the hosts sent into the fabric (the T0 ends of host links)."""
     out = {}
     for name, rx, tx, _ in lab["topo"].link_ends():
         if tx.node in HOSTS:
-            p = int(tx.ifname[1:])
-            out[p] = out.get(p, 0) + lab["lm"].counters(rx.ifindex)["mrc_pkts"]
+            c = lab["lm"].counters(rx.ifindex)
+            o = out.setdefault(int(tx.ifname[1:]), [0, 0])
+            o[0] += c["mrc_pkts"]
+            o[1] += c["bytes"]
     return out
+
+
+def _delta(before, after):
+    return {p: [a - b for a, b in zip(after[p], before[p])] for p in after}
 
 
 def _endpoints(lab):
@@ -318,9 +325,14 @@ def test_plane_drain_with_traffic_then_return(deployed, prom):
             assert rot[1]["operator_out"] and not rot[1]["in_rotation"] and rot[0]["in_rotation"], rot
         before = _plane_tx(lab)
         H.transfer(tl, "h0", "h2", 16 << 20)
-        after = _plane_tx(lab)
-        assert after[1] == before[1], (before, after)
-        assert after[0] - before[0] > 10000, (before, after)
+        d = _delta(before, _plane_tx(lab))
+        # No data on plane 1: a 16 MiB transfer is > 11,000 data packets of > 1,400 bytes
+        # (and their SACKs), all on plane 0.  What plane 1 still carries is the health
+        # daemons' background probes and their answers (134 bytes; the daemon probes EVs
+        # of a plane an operator drained, only those of a plane whose link is down not).
+        assert d[0][0] > 11000 and d[0][1] > 16 << 20, d
+        assert d[1][1] <= 200 * d[1][0] and d[1][0] < 0.02 * d[0][0], d
+        lab["drain_plane_delta"] = d
 
         def firing():
             r = query(prom, 'ALERTS{alertname="MrcPlaneOutOfRotation",alertstate="firing"}')
@@ -335,9 +347,9 @@ def test_plane_drain_with_traffic_then_return(deployed, prom):
         assert all(ret["recap"][lab["prefix"] + h][1] == 1 for h in HOSTS), ret["recap"]
         before = _plane_tx(lab)
         H.transfer(tl, "h0", "h2", 16 << 20)
-        after = _plane_tx(lab)
-        d0, d1 = after[0] - before[0], after[1] - before[1]
-        assert d1 > 0.3 * (d0 + d1) and d0 > 0.3 * (d0 + d1), (d0, d1)
+        d = _delta(before, _plane_tx(lab))
+        d0, d1 = d[0][1], d[1][1]          # bytes: the planes share the transfer again
+        assert d1 > 0.35 * (d0 + d1) and d0 > 0.35 * (d0 + d1), d
         assert H.wait_for(lambda: not query(prom, 'ALERTS{alertname="MrcPlaneOutOfRotation"}'), 20, 0.25), \
             query(prom, "ALERTS")
     finally:
