@@ -114,8 +114,10 @@ def status(lab, host: str):
 
 
 def _deployed(lab) -> bool:
+    from mrc_xdp import maps
+    loaded = maps.instances()
     for h in HOSTS:
-        if status(lab, h) is None:
+        if lab["prefix"] + h not in loaded:
             return False
         for svc in ("daemon", "metrics"):
             try:
@@ -366,7 +368,9 @@ def test_plane_drain_refuses_bad_input(deployed):
     """A plane that does not exist: the playbook fails before changing anything."""
     lab = deployed
     r = play(lab, "plane-drain.yml", "-e", "mrc_xdp_plane=7", check=False)
-    assert r["rc"] != 0 and "no such plane" in r["out"]
+    assert r["rc"] != 0 and "plane 7: no such plane (2 planes)" in r["out"], r["out"][-2000:]
+    r = play(lab, "plane-drain.yml", "-e", "mrc_xdp_plane=x", "--limit", lab["prefix"] + "h0", check=False)
+    assert r["rc"] != 0 and "give the plane: -e mrc_xdp_plane=N" in r["out"], r["out"][-2000:]
     assert all(not p["operator_out"] for h in HOSTS for p in status(lab, h)[0]["plane_rotation"])
 
 
