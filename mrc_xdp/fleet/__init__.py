@@ -27,6 +27,26 @@ imports mrc_xdp.cli.
 """
 from __future__ import annotations
 
+import json
+import os
+
 
 class FleetError(RuntimeError):
     """A fleet operation failed; str() is one line saying what and what to do."""
+
+
+def write_json(obj, path: str, what: str = "") -> None:
+    """obj as JSON into path, atomically (a temporary file renamed into place); JSON is
+    YAML to Ansible and Prometheus.  FleetError (one line) when it cannot be written."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise FleetError("%s%s: %s" % (what, path, e.strerror or e)) from None

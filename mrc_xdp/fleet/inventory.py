@@ -35,7 +35,7 @@ import json
 import os
 import zlib
 
-from . import FleetError
+from . import FleetError, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = "mrc_xdp"
@@ -191,18 +191,7 @@ def read(path: str) -> dict:
 
 def write(inv: dict, path: str) -> None:
     """Write atomically (a temporary file renamed into place)."""
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    try:
-        with open(tmp, "w") as f:
-            json.dump(inv, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise FleetError("inventory %s: %s" % (path, e.strerror or e)) from None
+    write_json(inv, path, "inventory ")
 
 
 def summary(inv: dict) -> dict:

@@ -11,11 +11,10 @@ The configuration is JSON, which Prometheus reads as YAML.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from . import FleetError
+from . import FleetError, write_json  # noqa: F401  (write_json: callers write the config with it)
 from .inventory import hosts_of
 
 JOB = "mrc-xdp"
@@ -64,19 +63,3 @@ def scrape_config(inv: dict, rule_files=(), interval: str = "5s", job: str = JOB
         if not os.path.isfile(r):
             raise FleetError("rule file %s: no such file" % r)
     return {"config": cfg, "targets": tg, "skipped": skipped}
-
-
-def write_json(obj, path: str) -> None:
-    """Atomically; JSON is YAML to Prometheus."""
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise FleetError("%s: %s" % (path, e.strerror or e)) from None
