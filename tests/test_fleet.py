@@ -359,9 +359,12 @@ def test_plane_drain_with_traffic_then_return(deployed, prom):
         assert H.wait_for(lambda: not query(prom, 'ALERTS{alertname="MrcPlaneOutOfRotation"}'), 20, 0.25), \
             query(prom, "ALERTS")
     finally:
+        from mrc_xdp.maps import Instance
         for ep in eps.values():
             ep.close()
-        H.cli("plane", "in", "1", "-i", lab["prefix"] + "h0", check=False)
+        for h in HOSTS:                 # every plane back in rotation, whatever happened
+            with Instance(lab["prefix"] + h) as inst:
+                inst.set_plane_out(1, False)
 
 
 def test_plane_drain_refuses_bad_input(deployed):
