@@ -217,6 +217,33 @@ def test_inventory_of_lab(lab):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "prefix" in p.stderr, p.stderr
 
 
+def test_prometheus_config_of_inventory(lab):
+    """One target per host with a metrics target, labelled with its host; hosts without one
+    (VM guests) are listed as skipped; file_sd and bad arguments; the CLI writes both files."""
+    from mrc_xdp.fleet import FleetError, prometheus
+    res = prometheus.scrape_config(lab["inv"], [RULES], interval="2s")
+    sc = res["config"]["scrape_configs"][0]
+    assert sorted(t["labels"]["mrc_host"] for t in sc["static_configs"]) == list(HOSTS) and not res["skipped"]
+    assert res["config"]["rule_files"] == [RULES] and sc["scrape_interval"] == "2s"
+    inv = json.loads(json.dumps(lab["inv"]))
+    inv["all"]["children"]["mrc_xdp"]["hosts"][lab["prefix"] + "h3"]["mrc_xdp_metrics_target"] = None
+    res = prometheus.scrape_config(inv, targets_file="/tmp/t.json")
+    assert res["skipped"] == [lab["prefix"] + "h3"] and len(res["targets"]) == 3
+    assert res["config"]["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["/tmp/t.json"]
+    for kw, msg in (({"interval": "5 s"}, "interval '5 s'"), ({"rule_files": ["/nonexistent.yml"]}, "no such file"),
+                    ({"job": "a b"}, "job 'a b'")):
+        with pytest.raises(FleetError, match=msg):
+            prometheus.scrape_config(lab["inv"], **kw)
+    out, tg = os.path.join(lab["tmp"], "p.yml"), os.path.join(lab["tmp"], "t.json")
+    p = subprocess.run([sys.executable, "-m", "mrc_xdp.fleet", "prometheus-config", "-i", lab["inv_path"],
+                        "--rules", RULES, "--targets", tg, "-o", out], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([os.path.join(PROM_DIR, "promtool"), "check", "config", out], capture_output=True, text=True)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    with open(tg) as f:
+        assert len(json.load(f)) == 4
+
+
 # ------------------------------------------------------------------ deploy
 
 def test_deploy_loads_every_host_and_is_idempotent(deployed):

@@ -23,12 +23,16 @@ The CLI this package is written for (not wired into mrc_xdp/cli.py yet; until it
            fleet.prometheus.targets(inv)
 
 Library code: plain arguments in, dicts out, FleetError (one line) on failure; it never
-imports mrc_xdp.cli.
+imports mrc_xdp.cli.  Messages name the command to run as INVENTORY_CMD (change it to
+`mrc-xdp lab inventory` when the CLI has it).
 """
 from __future__ import annotations
 
 import json
 import os
+
+
+INVENTORY_CMD = "python -m mrc_xdp.fleet inventory"
 
 
 class FleetError(RuntimeError):

@@ -14,7 +14,8 @@ EPILOG = """\
 examples:
   mrc-xdp lab up --no-hosts --prefix fl-                       a fabric, no datapath loaded
   python -m mrc_xdp.fleet inventory --prefix fl- -o inv.json   its hosts as an Ansible inventory
-  ansible-playbook -i inv.json deploy/ansible/deploy.yml       deploy: load, daemon, metrics
+  ANSIBLE_CONFIG=deploy/ansible/ansible.cfg \
+  .venv/bin/ansible-playbook -i inv.json deploy/ansible/deploy.yml   deploy: load, daemon, metrics
   python -m mrc_xdp.fleet prometheus-config --inventory inv.json \\
       --rules deploy/prometheus/mrc-xdp.rules.yml -o prometheus.yml
 docs/fleet.md has the whole story.

@@ -35,7 +35,7 @@ import json
 import os
 import zlib
 
-from . import FleetError, write_json
+from . import INVENTORY_CMD, FleetError, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = "mrc_xdp"
@@ -171,7 +171,7 @@ def hosts_of(inv: dict) -> dict[str, dict]:
         return dict(inv["all"]["children"][GROUP]["hosts"])
     except (KeyError, TypeError):
         raise FleetError("not an mrc-xdp inventory: no group %r under all.children "
-                         "(write one with `mrc-xdp lab inventory`)" % GROUP) from None
+                         "(write one with `%s`)" % (GROUP, INVENTORY_CMD)) from None
 
 
 def read(path: str) -> dict:
@@ -180,11 +180,11 @@ def read(path: str) -> dict:
         with open(path) as f:
             inv = json.load(f)
     except FileNotFoundError:
-        raise FleetError("inventory %s: no such file (write one with `mrc-xdp lab inventory -o %s`)"
-                         % (path, path)) from None
+        raise FleetError("inventory %s: no such file (write one with `%s -o %s`)"
+                         % (path, INVENTORY_CMD, path)) from None
     except (OSError, ValueError) as e:
-        raise FleetError("inventory %s: %s (expected the JSON `mrc-xdp lab inventory` writes)"
-                         % (path, getattr(e, "strerror", None) or e)) from None
+        raise FleetError("inventory %s: %s (expected the JSON `%s` writes)"
+                         % (path, getattr(e, "strerror", None) or e, INVENTORY_CMD)) from None
     hosts_of(inv)
     return inv
 
