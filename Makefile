@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo train-demo test bench evaluate clean
+.PHONY: setup fleet-setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo train-demo test bench evaluate clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,11 +15,15 @@ demo: setup
 train-demo: setup
 	$(VENV)/bin/mrc-xdp demo --train
 
+# the fleet tools' tests (tests/test_fleet.py): Prometheus and promtool extracted from Debian's package
+fleet-setup: setup
+	bash scripts/fleet-setup.sh
+
 # the kernel matrix (tests/test_kernel_matrix.py) needs QEMU, virtme-ng and the kernels
 kmatrix-setup: setup
 	bash scripts/kmatrix-setup.sh
 
-test: setup kmatrix-setup vm-setup
+test: setup fleet-setup kmatrix-setup vm-setup
 	$(PY) -m pytest -ra tests
 
 # the VM lab (vagrant/README.md): QEMU, debootstrap, Vagrant + vagrant-libvirt, guest kernel

@@ -83,9 +83,12 @@ mkdir -p "$LOG_DIR"
 # PyTorch (the "mrc" torch.distributed backend, the *-perf tools, the training example):
 # pinned exactly, which takes the CPU build; an unpinned or open-range torch resolves to
 # a CUDA build of several GB.  Left out with MRC_SETUP_EXTRAS=0 (the VM lab's guests).
+# ansible-core (deploy/ansible: the fleet role and playbooks, tests/test_fleet.py): pinned;
+# 2.19 is the last line that runs on Debian 12's Python 3.11.  Only the controller needs it,
+# so the VM lab's guests (MRC_SETUP_EXTRAS=0) leave it out too.
 PIP_PKGS=()
 if [ "${MRC_SETUP_EXTRAS:-1}" != 0 ]; then
-    PIP_PKGS+=(torch==2.13.0)
+    PIP_PKGS+=(torch==2.13.0 ansible-core==2.19.14)
 fi
 
 # Editable install: reinstalled only when its inputs change (setup.py, pyproject.toml,

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "mrc_xdp")
 
 # a package may import only packages at its own layer or below (lower index)
-LAYERS = [{"datapath"}, {"transport"}, {"health"}, {"observe", "collective", "torch", "lab"}, {"cli"}]
+LAYERS = [{"datapath"}, {"transport"}, {"health"}, {"observe", "collective", "torch", "lab", "fleet"}, {"cli"}]
 
 
 def modules() -> dict[str, str]:

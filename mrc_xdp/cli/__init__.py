@@ -8,7 +8,8 @@ packages, one module per command group:
 - ``transport``: write-bw, write-lat, send, recv, qps
 - ``collective``: allreduce-perf, allgather-perf, reducescatter-perf, bcast-perf
 - ``health``: daemon, fabric check
-- ``lab``: lab up / down / status / exec / launch / link / fail / heal / vm ...; ``demo``
+- ``lab``: lab up / down / status / exec / launch / link / fail / heal / vm / inventory ...; ``demo``
+- ``fleet``: fleet inventory, fleet prometheus-config
 
 Every command has --json where a script may want it.  Errors are one line on stderr,
 exit status 1 (2 for usage).  Library errors are turned into that line here (``main``).
@@ -38,14 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    from mrc_xdp.cli import collective, datapath, demo, health, lab, observe, transport
+    from mrc_xdp.cli import collective, datapath, demo, fleet, health, lab, observe, transport
     datapath.add_parsers(sub)       # load, unload, status, ev, plane, stats, events, version
     observe.add_parsers(sub)        # metrics, top
     demo.add_parsers(sub)           # demo
     transport.add_parsers(sub)      # write-bw, write-lat, send, qps, recv
     collective.add_parsers(sub)     # allreduce-perf, allgather-perf, ...
     health.add_parsers(sub)         # daemon, fabric check
-    lab.add_parser(sub)             # lab ...
+    lab.add_parser(sub)             # lab ... (and lab inventory)
+    fleet.add_parsers(sub)          # fleet inventory, fleet prometheus-config
     return p
 
 

@@ -456,6 +456,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = common(sub.add_parser("heal", help="clear faults of a node, a link, or everything"))
     p.add_argument("target", nargs="?", metavar="NODE|LINK")
     _set_handler(p, cmd_heal)
+
+    from mrc_xdp.cli import fleet as fleet_cli     # lab inventory = fleet inventory
+    fleet_cli.add_inventory_parser(sub)
     return lab
 
 

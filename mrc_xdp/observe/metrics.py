@@ -14,6 +14,11 @@ exits.  Names:
                                                              counters of every open Endpoint
     mrc_rx_ev_packets_total{mrc_instance,conn,ev}            data received, per sender EV
     mrc_rx_ev_ce_total{mrc_instance,conn,ev}                 of which CE-marked
+    mrc_daemon_up{mrc_instance}                              1 while a health daemon follows the
+                                                             instance (asked at its socket: $MRC_XDP_DAEMON_SOCKET
+                                                             or /run/mrc-xdp/events.sock), else 0
+    mrc_ev_probe_rtt_seconds{mrc_instance,conn,ev,plane,t1}  the daemon's smoothed probe RTT per EV
+                                                             (EVs it has an answered probe of)
 
 The instance's label is mrc_instance: Prometheus sets `instance` itself (the scraped
 target) and would rename ours to exported_instance.  conn is the connection's name
@@ -126,7 +131,7 @@ class PinsCollector:
                                   "conn=\"unknown\" and ev=\"other\" rows add up the rest).", labels=RX_LABELS)
         rxc = CounterMetricFamily("mrc_rx_ev_ce", "Data packets received CE-marked, per sender EV.",
                                   labels=RX_LABELS)
-        live = []
+        live, tables = [], {}
         for name in wanted:
             try:
                 with maps.Instance(name) as inst:
@@ -149,7 +154,8 @@ class PinsCollector:
             for conn, ev, pk, ce in rx_rows(rx):
                 rxp.add_metric([name, conn, ev], pk)
                 rxc.add_metric([name, conn, ev], ce)
-        return [ctr, evp, evf, evs, pl] + _qp_families(live) + [rxp, rxc]
+            tables[name] = evt
+        return [ctr, evp, evf, evs, pl] + _qp_families(live) + [rxp, rxc] + _daemon_families(tables)
 
 
 def _qp_families(instances) -> list:
@@ -165,6 +171,43 @@ def _qp_families(instances) -> list:
             m.add_metric([q["instance"], "%#x" % q["qpn"], str(q["pid"])], q.get(k, 0))
         out.append(m)
     return out
+
+
+DAEMON_TIMEOUT_S = 1.0      # a daemon that has not answered its status by then counts as down
+
+
+def _daemon_families(tables: dict) -> list:
+    """mrc_daemon_up and mrc_ev_probe_rtt_seconds from the health daemon's status (one
+    request per scrape on its socket); tables: {instance: its ev_table()}."""
+    from mrc_xdp.health import daemon as health
+    up = GaugeMetricFamily("mrc_daemon_up", "1 while a health daemon (mrc-xdp daemon) follows the instance.",
+                           labels=["mrc_instance"])
+    rtt = GaugeMetricFamily("mrc_ev_probe_rtt_seconds", "Smoothed RTT of the health daemon's probes of each EV.",
+                            labels=["mrc_instance", "conn", "ev", "plane", "t1"])
+    st = None
+    if tables:
+        g = health.request_lines({"op": "status"}, timeout=DAEMON_TIMEOUT_S)
+        try:
+            st = next(g, None) if g is not None else None
+        except (OSError, ValueError):
+            st = None
+        finally:
+            if g is not None:
+                g.close()
+    followed = (st or {}).get("instances") or {}
+    for name, evt in tables.items():
+        up.add_metric([name], int(name in followed))
+        rows = {(r["conn"], r["ev"]): r for r in evt}
+        for key, d in sorted(((followed.get(name) or {}).get("rtt") or {}).items()):
+            try:
+                cid, ev = (int(x) for x in key.split(":"))
+            except ValueError:
+                continue
+            r = rows.get((cid, ev))
+            if r is None or d.get("srtt") is None:
+                continue
+            rtt.add_metric([name, r["conn_name"], "%#010x" % ev, str(r["plane"]), str(r["t1"])], float(d["srtt"]))
+    return [up, rtt]
 
 
 def registry(collector: PinsCollector) -> CollectorRegistry:
