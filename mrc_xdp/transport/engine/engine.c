@@ -329,6 +329,7 @@ struct qp {
 	uint64_t pace_ns;                        /* pacing: the next packet leaves no earlier */
 	uint32_t retries, peer_mpr;
 	uint64_t fb_ns;                          /* the peer's last feedback in the window (SACK/NACK) */
+	uint64_t rack_seq;                       /* the latest-sent transmission (txseq) the peer SACKed */
 	/* receiver */
 	uint32_t rcv_cack, rcv_ooo;
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
@@ -1348,6 +1349,8 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	if (psn_sub(trig, q->snd_una) < span && tt->psn == trig && tt->state != TXP_FREE) {
 		trig_known = 1;
 		trig_seq = tt->txseq;
+		if (trig_seq > q->rack_seq)
+			q->rack_seq = trig_seq;
 		if (tt->nsent == 1 && tt->state == TXP_INFLIGHT)
 			rtt = now - tt->tx_ns;   /* Karn: never from a retransmitted packet */
 	}
@@ -1685,7 +1688,7 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		q->st.rto_deferred++;
 	} else if (now >= q->rto_deadline) {
 		uint32_t p;
-		int bulk;
+		int silent;
 
 		q->st.timeouts++;
 		if (++q->retries > q->st.retries_max)
@@ -1694,20 +1697,23 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 			qp_error(e, q, MRC_WC_RETRY_EXC_ERR);
 			return;
 		}
-		bulk = q->retries > 1 && now - q->fb_ns >= (uint64_t)e->o.rto_bulk_us * 1000;
+		silent = now - q->fb_ns >= (uint64_t)e->o.rto_bulk_us * 1000;
 		/* first expiry since progress: a probe (the oldest PSN only, its SACK lets RACK
 		 * find the rest; a host that merely stalled the thread costs one packet); from
-		 * the second on, once the peer has said nothing for rto_bulk_us (a busy host
-		 * deschedules a receiver for milliseconds: measured, 102 spurious resends of 12k
-		 * packets in a loaded CI run), what was sent at least one RTO ago is presumed
-		 * lost, resent selectively, and the window halves (at most once per RTT); the probe then
+		 * the second on, what was sent at least one RTO ago is presumed lost if the peer
+		 * has since SACKed a packet sent after it (RACK's rule, the RTO its reorder
+		 * window), or, for the rest, once the peer has said nothing for rto_bulk_us (a
+		 * busy host deschedules a receiver for milliseconds: measured, 102 spurious
+		 * resends of 12k packets in a loaded CI run); it is resent selectively, and the
+		 * window halves (at most once per RTT); the probe then
 		 * goes out twice (two planes: see send_sack), as a plane whose failure the
 		 * datapath has not seen yet would otherwise take half of the probes */
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
 			if (t->psn == p && t->state == TXP_INFLIGHT &&
-			    (p == q->snd_una || (bulk && t->tx_ns + q->rto <= now))) {
+			    (p == q->snd_una || (q->retries > 1 && t->tx_ns + q->rto <= now &&
+			                         (silent || t->txseq < q->rack_seq)))) {
 				t->rto = 1;
 				mark_lost(q, t);
 				q->st.rtx_timeout++;

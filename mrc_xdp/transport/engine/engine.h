@@ -93,10 +93,11 @@ struct mrc_eng_opts {
 	uint32_t cc_max_md;         /* max decrease per RTT, percent (default 50) */
 	uint32_t cc_pace;           /* 1 (default): pace at cwnd per min RTT, in flight up to 4 cwnd;
 	                             * 2: window only (cwnd bytes in flight, no pacing) */
-	uint32_t rto_bulk_us;       /* an expiry presumes everything in flight lost only after the
-	                             * peer has been silent this long (50000); before that it only
-	                             * probes: a peer (or this thread) descheduled for a few ms on
-	                             * a busy host must not cost a window of resends */
+	uint32_t rto_bulk_us;       /* from the second expiry, what was sent an RTO ago is lost if
+	                             * the peer has SACKed a packet sent after it; the rest only
+	                             * once the peer has been silent this long (50000): a peer (or
+	                             * this thread) descheduled for a few ms on a busy host must
+	                             * not cost a window of resends */
 };
 
 struct mrc_eng_stats {
