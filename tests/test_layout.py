@@ -171,3 +171,20 @@ def test_old_names_resolve_to_the_new_modules():
     from mrc_xdp import health
     from mrc_xdp.health import daemon
     assert health.Daemon is daemon.Daemon
+
+
+JSON_COMMANDS = ["load", "unload", "status", "ev list", "ev deny", "ev allow", "plane list", "plane out",
+                 "plane in", "stats", "events", "version", "write-bw", "write-lat", "send", "recv", "qps",
+                 "allreduce-perf", "fabric check", "lab status", "lab inventory", "fleet inventory"]
+
+
+@pytest.mark.parametrize("cmd", JSON_COMMANDS)
+def test_commands_keep_json(cmd):
+    """The CLI's split into command groups kept every command's --json (scripts and the
+    Ansible role read it): each of these parses --json."""
+    from mrc_xdp.cli import build_parser
+    argv = cmd.split() + ["--json"]
+    needs = {"ev deny": ["0x1"], "ev allow": ["0x1"], "plane out": ["1"], "plane in": ["1"], "send": ["f", "p"],
+             "recv": ["d"]}
+    args = build_parser().parse_args(cmd.split() + needs.get(cmd, []) + ["--json"])
+    assert args.json is True, argv

@@ -453,7 +453,7 @@ def add_parsers(sub) -> None:
         e.add_argument("ev", help="the EV, e.g. 0x3d3ec531")
         e.add_argument("--conn", type=int, help="connection id, if the EV is in several sets")
         add_instance(e)
-    add_json(e)
+        add_json(e)
     sp.set_defaults(fn=cmd_ev)
 
     sp = sub.add_parser("plane", help="list planes; take one out of rotation or put it back",
@@ -471,7 +471,7 @@ def add_parsers(sub) -> None:
         e = psub.add_parser(name, help=hlp)
         e.add_argument("plane", type=int, help="plane number, e.g. 0")
         add_instance(e)
-    add_json(e)
+        add_json(e)
     sp.set_defaults(fn=cmd_plane)
 
     sp = sub.add_parser("stats", help="counters, plane shares and the per-EV table",
