@@ -505,8 +505,10 @@ def schedule(topo, n: int, seed: int = SEED, quick: bool = False) -> list[dict]:
             f.update(target=rng.choice(fab), duration_s=None, loss_ppm=20000)
         else:
             f.update(target=rng.choice(hostl), duration_s=10.0)
-        if quick and f["duration_s"]:          # the smoke run keeps its faults short
-            f["duration_s"] = min(f["duration_s"], 6.0)
+        if quick:                              # the smoke run's jobs are short: so are its faults
+            f["start_s"] = min(f["start_s"], 1.0)
+            if f["duration_s"]:
+                f["duration_s"] = min(f["duration_s"], 6.0)
         out.append(f)
     return out
 
@@ -577,16 +579,18 @@ class Fault:
 
 def part_h(args, res, lab):
     n_jobs = 2 if args.quick else 20
-    steps = 20 if args.quick else 40
-    healthy_n = 1 if args.quick else 2
+    steps = 20 if args.quick else 30
+    healthy_n = 1 if args.quick else 2        # before the schedule, and after it
     with limited(lab, args) as j:
         sched = schedule(lab.topo, n_jobs, quick=args.quick)
         r = {"rate_bps": j.rate, "steps": steps, "timeout_s": JOB_TIMEOUT_S, "seed": SEED, "schedule": sched,
              "healthy": {t: [] for t in TRANSPORTS}, "jobs": {t: [] for t in TRANSPORTS}, "slow_factor": SLOW}
         log("(h) %d jobs per transport of examples/train_ddp.py (%d steps, collective timeout %g s), faults from "
-            "seed %d; first %d healthy job(s) each" % (n_jobs, steps, JOB_TIMEOUT_S, SEED, healthy_n))
+            "seed %d; %d healthy job(s) each (before%s)" % (n_jobs, steps, JOB_TIMEOUT_S, SEED, healthy_n,
+                                                        " and after" if healthy_n > 1 else ""))
         t_part = time.monotonic()
-        for k in range(healthy_n):
+
+        def healthy():
             for tr in TRANSPORTS:
                 x = j.run(tr, train_cmd(tr, steps, JOB_TIMEOUT_S), timeout=300)
                 if x["rc"] != 0 or not x["json"]:
@@ -594,8 +598,7 @@ def part_h(args, res, lab):
                 r["healthy"][tr].append({"seconds": x["json"]["seconds"], "wall_s": x["wall_s"], "load": _load()})
                 log("(h)   healthy %-12s %.1f s training (%.1f s with start-up)" % (LABEL[tr], x["json"]["seconds"],
                                                                                   x["wall_s"]))
-        base = {t: statistics.median(h["seconds"] for h in r["healthy"][t]) for t in TRANSPORTS}
-        r["healthy_s"] = base
+        healthy()               # healthy jobs before and after the schedule: the machine's load drifts
         for f in sched:
             for tr in TRANSPORTS:
                 fl = Fault(j, f)
@@ -608,18 +611,24 @@ def part_h(args, res, lab):
                        "fault_s": (fl.cleared_at - fl.applied_at) if fl.applied_at and fl.cleared_at else None}
                 if x["rc"] == 0 and x["json"]:
                     job["seconds"] = x["json"]["seconds"]
-                    job["slowdown"] = job["seconds"] / base[tr]
                     job["max_step_s"] = max(x["json"]["step_times"])
-                    job["outcome"] = "slow" if job["slowdown"] > SLOW else "unaffected"
                 else:
                     job["outcome"] = "failed"
                     job["error"] = _err(x)
                 r["jobs"][tr].append(job)
-                log("(h)   job %2d %-12s %-10s %s   [%s]" % (
-                    f["job"], LABEL[tr], job["outcome"].upper(),
-                    "%.1f s (%.2fx healthy), longest step %.1f s" % (job["seconds"], job["slowdown"], job["max_step_s"])
-                    if "seconds" in job else job["error"][-150:], fault_text(f)))
+                log("(h)   job %2d %-12s %s   [%s]" % (
+                    f["job"], LABEL[tr], "%.1f s training, longest step %.1f s" % (job["seconds"], job["max_step_s"])
+                    if "seconds" in job else "FAILED: " + job["error"][-150:], fault_text(f)))
                 time.sleep(1.0)      # the health daemon's probes bring retired EVs back
+        if healthy_n > 1:
+            healthy()
+        base = {t: statistics.median(h["seconds"] for h in r["healthy"][t]) for t in TRANSPORTS}
+        r["healthy_s"] = base
+        for t in TRANSPORTS:
+            for job in r["jobs"][t]:
+                if "seconds" in job:
+                    job["slowdown"] = job["seconds"] / base[t]
+                    job["outcome"] = "slow" if job["slowdown"] > SLOW else "unaffected"
         r["part_s"] = time.monotonic() - t_part
     r["counts"] = {t: {o: sum(1 for x in r["jobs"][t] if x["outcome"] == o) for o in ("failed", "slow", "unaffected")}
                    for t in TRANSPORTS}
@@ -677,7 +686,7 @@ def section_h(w, r, args):
       "outages of 5-30 s for outages of 5-30 min), so 10 minutes becomes 10 s. Over MRC the timeout is the time "
       "without progress from a peer; over gloo the time one collective may take. A job **failed** when it exited "
       "non-zero (a collective timed out or failed), is **slow** when its training loop took more than %.1fx the "
-      "median of %d healthy jobs of the same transport run first, else **unaffected**. The health daemon runs "
+      "median of %d healthy jobs of the same transport (run before and after the schedule), else **unaffected**. The health daemon runs "
       "(its probes bring retired EVs back); hosts keep a TCP flow on its path on RTO (net.core.txrehash = 0, as "
       "hardware ECMP, which does not hash the flow label). Part time: %.0f s."
       % (r["steps"], _rate(r["rate_bps"]), _rate(2 * r["rate_bps"]), r["seed"], r["timeout_s"], r["slow_factor"],
