@@ -152,11 +152,12 @@ class Jobs:
 
     # ---------------------------------------------------------------- jobs
     def cmd(self, transport: str, argv: list[str]) -> list[str]:
+        env = ["env", "PYTHONFAULTHANDLER=1"]       # a crashing rank says where
         if transport == "mptcp":
             if self.preload is None:
                 self.mptcp_setup()
-            return ["env", "LD_PRELOAD=" + self.preload] + argv
-        return argv
+            env.append("LD_PRELOAD=" + self.preload)
+        return env + argv
 
     def run(self, transport: str, argv: list[str], timeout: float, on_line=None) -> dict:
         """One job on every host: tbf on for gloo/MPTCP, off for MRC; returns exit status,
@@ -179,7 +180,7 @@ class Jobs:
             if line.startswith("[rank 0] {"):
                 with contextlib.suppress(ValueError):
                     js = json.loads(line[len("[rank 0] "):])
-        return {"rc": rc, "wall_s": wall, "json": js, "tail": out.lines[-6:],
+        return {"rc": rc, "wall_s": wall, "json": js, "tail": [ln[-400:] for ln in out.lines[-40:]],
                 "rank_cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), "cpu": busy}
 
 
@@ -243,8 +244,13 @@ def train_cmd(backend: str, steps: int, timeout: float) -> list[str]:
 
 
 def _err(x: dict) -> str:
-    lines = [ln for ln in x["tail"] if "rror" in ln or "launch:" in ln] or x["tail"]
-    return (lines[-1] if lines else "exit %d" % x["rc"])[-240:]
+    """The line that says why a job failed: the last error a rank printed, else launch's."""
+    errs = [ln for ln in x["tail"] if ("rror" in ln or "Segmentation" in ln or "imed out" in ln)
+            and not ln.startswith("launch:")]
+    if errs:
+        return errs[-1][-300:]
+    lines = [ln for ln in x["tail"] if ln.startswith("launch:")] or x["tail"]
+    return (lines[-1] if lines else "exit %d" % x["rc"])[-300:]
 
 
 # ================================================================== (f) allreduce-perf
@@ -273,8 +279,25 @@ def part_f(args, res, lab):
         log("(f) unthrottled (no rate limits, no tbf): the CPUs bound both")
         for tr in ("mrc", "gloo"):
             r["load"]["free_" + tr] = _load()
-            r["free"][tr] = _perf(j, tr, free_spans, "unthrottled")
+            x = r["free"][tr] = _perf(j, tr, free_spans, "unthrottled")
+            # CPU per byte: the ranks' CPU time less a run of one 1 KiB all-reduce (start-up,
+            # rendezvous, teardown), over the bytes every rank sent (each size run -w + -n + 1
+            # (the check) times, 2(n-1)/n of it sent per all-reduce)
+            f = _perf(j, tr, [("1K", "1K", 2, 1, 0)], "fixed cost")
+            n = 4
+            sent = sum(row["size"] * 2 * (n - 1) / n * (it + wu + 1) for (lo, hi, fac, it, wu) in free_spans
+                       for row in x["rows"] if _size(lo) <= row["size"] <= _size(hi))
+            x["fixed_cpu_s"] = f["rank_cpu_s"]
+            x["bytes_sent_all_ranks"] = n * sent
+            x["cpu_s_per_gb"] = (x["rank_cpu_s"] - f["rank_cpu_s"]) / (n * sent / 1e9)
+            log("(f)   %s unthrottled: %.1f CPU s of the ranks per GB sent (fixed cost %.1f CPU s left out)"
+                % (tr, x["cpu_s_per_gb"], f["rank_cpu_s"]))
     res["f"] = r
+
+
+def _size(v: str) -> int:
+    from mrc_xdp.collective.perf import parse_size
+    return parse_size(v)
 
 
 def _perf(j, tr, spans, what) -> dict:
@@ -282,6 +305,8 @@ def _perf(j, tr, spans, what) -> dict:
     for lo, hi, fac, n, w in spans:
         x = j.run(tr, perf_cmd(lo, hi, fac, n, w, tr), timeout=1800)
         if x["rc"] != 0 or not x["json"]:
+            for ln in x["tail"][-15:]:
+                log("(f)     | " + ln)
             raise RuntimeError("(f) allreduce-perf over %s (%s) failed: %s" % (tr, what, _err(x)))
         rows += x["json"]["rows"]
         cpu.append(x["cpu"])
@@ -380,9 +405,12 @@ def section_f(w, r, args):
         x = r["free"][t]
         c = x["cpu"][-1]
         w("- %s: the machine's CPUs %.0f%% busy while it ran (user %.0f%%, system %.0f%%, softirq %.0f%%); the "
-          "ranks' own CPU time %.1f s in %.1f s of wall time (load average %s at the start)." % (
+          "ranks' own CPU time %.1f s in %.1f s of wall time; %s (load average %s at the start)." % (
               LABEL[t], 100 * c["busy"], 100 * c["user"], 100 * c["system"], 100 * c["softirq"], x["rank_cpu_s"],
-              x["wall_s"], r["load"].get("free_" + t, "?")))
+              x["wall_s"], "less the %.1f s of a run of one 1 KiB all-reduce (start-up, rendezvous, teardown): "
+              "**%.1f CPU s per GB** sent by the ranks (%.2f GB)" % (x["fixed_cpu_s"], x["cpu_s_per_gb"],
+                                                                      x["bytes_sent_all_ranks"] / 1e9)
+              if "cpu_s_per_gb" in x else "", r["load"].get("free_" + t, "?")))
     w("")
     for note in r.get("notes", []):
         w(note)
@@ -406,6 +434,8 @@ def part_g(args, res, lab):
                 j0 = j.mptcp_joins() if tr == "mptcp" and j.preload else 0
                 x = j.run(tr, train_cmd(tr, steps, 120), timeout=900)
                 if x["rc"] != 0 or not x["json"]:
+                    for ln in x["tail"][-15:]:
+                        log("(g)     | " + ln)
                     raise RuntimeError("(g) training over %s failed: %s" % (tr, _err(x)))
                 js = x["json"]
                 run = {"samples_per_s": js["samples_per_s"], "seconds": js["seconds"],
@@ -579,7 +609,7 @@ class Fault:
 
 def part_h(args, res, lab):
     n_jobs = 2 if args.quick else 20
-    steps = 20 if args.quick else 30
+    steps = 20 if args.quick else 25
     healthy_n = 1 if args.quick else 2        # before the schedule, and after it
     with limited(lab, args) as j:
         sched = schedule(lab.topo, n_jobs, quick=args.quick)

@@ -767,6 +767,12 @@ def headline(res) -> list[str]:
     return h + eval_jobs.headline(res)
 
 
+def all_headlines(res) -> list[str]:
+    """This run's headline lines and the kept parts' ones, in part order."""
+    lines = headline(res) + [h for v in res.get("kept", {}).values() for h in v["headline"]]
+    return sorted(lines, key=lambda h: h[:3])
+
+
 def report(res, mach, args, out, parts, elapsed):
     L = []
     w = L.append
@@ -776,10 +782,10 @@ def report(res, mach, args, out, parts, elapsed):
         " --quick" if args.quick else "", mach["date"], elapsed))
     w("")
     if res.get("kept"):
-        w("This run measured part(s) %s; part(s) %s are kept as the earlier run(s) of %s measured them "
-          "(results.json): their sections, plots and load averages are that run's." % (
-              ", ".join(k for k in PARTS if k in parts and k in res), ", ".join(res["kept"]),
-              ", ".join(sorted(set(res["kept"].values())))))
+        w("This run measured part(s) %s; part(s) %s are kept from the earlier run(s) of %s as they were: "
+          "their sections, headline lines, plots and load averages are that run's (the machine line above is "
+          "this run's)." % (", ".join(k for k in PARTS if k in parts and k in res) or "none",
+                            ", ".join(res["kept"]), ", ".join(sorted({v["date"] for v in res["kept"].values()}))))
         w("")
     w("**Machine:** %s CPUs (%s), kernel %s, %s. Load average (1/5/15 min) at the start %s, at the end %s: "
       "the machine was shared with other jobs, so absolute figures are low and noisy; ratios measured in "
@@ -792,9 +798,10 @@ def report(res, mach, args, out, parts, elapsed):
     w("")
     w("## Headline figures")
     w("")
-    for s in headline(res):
+    heads = all_headlines(res)
+    for s in heads:
         w("- " + s)
-    if not any(k in res for k in PARTS):
+    if not heads:
         w("- (no part ran)")
     w("")
     if "errors" in res:
@@ -809,8 +816,12 @@ def report(res, mach, args, out, parts, elapsed):
         when = (" on %s" % res[k]["date"]) if isinstance(res[k], dict) and res[k].get("date") else ""
         return "Measured%s on %s CPUs, kernel %s, load average %s when the part started; rerun: `%s`." % (
             when, mach["cpus"], mach["kernel"], load.get(k, "?"), RERUN[k])
+    kept = res.get("kept", {})
     for k, part in PARTS.items():
-        if k in res:
+        if k in kept:
+            w(kept[k]["section"].rstrip("\n"))
+            w("")
+        elif k in res:
             w("## (%s) %s" % (k, part.title))
             w("")
             w("![%s](%s)" % (k, part.png))
@@ -822,7 +833,9 @@ def report(res, mach, args, out, parts, elapsed):
         f.write("\n".join(L))
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"machine": mach, "quick": args.quick, "parts": parts, "seconds": round(elapsed, 1),
-                   "headline": headline(res), "results": res}, f, indent=1, default=str)
+                   "headline": heads, "kept": {k: v["date"] for k, v in kept.items()},
+                   "results": dict({k: v for k, v in res.items() if k != "kept"},
+                                   **{k: v["results"] for k, v in kept.items()})}, f, indent=1, default=str)
 
 
 RERUN = {k: "sudo .venv/bin/python tools/evaluate.py --only %s --out results" % k for k in "abcdefgh"}
@@ -1095,28 +1108,37 @@ def main(argv=None) -> int:
     keep_earlier(res, args, parts)
     report(res, mach, args, args.out, parts, elapsed)
     log("wrote %s/REPORT.md (%.0f s)" % (args.out, elapsed))
-    for s in headline(res):
+    for s in all_headlines(res):
         print(s)
     return 1 if "errors" in res else 0
 
 
 def keep_earlier(res: dict, args, parts) -> None:
-    """The parts not run now but in the output directory's earlier results.json (same
-    --quick) are kept: results and load averages, so REPORT.md keeps their sections."""
+    """The parts not run now that the output directory's earlier REPORT.md has (and its
+    results.json, same --quick) are kept as they were: their sections and headline lines
+    verbatim (an older run's results may not fit this version's report code), their
+    results carried over into the new results.json."""
     try:
         with open(os.path.join(args.out, "results.json")) as f:
             prev = json.load(f)
+        with open(os.path.join(args.out, "REPORT.md")) as f:
+            text = f.read()
     except (OSError, ValueError):
         return
     if bool(prev.get("quick")) != bool(args.quick):
         return
-    old = prev.get("results", {})
+    import re
+    heads = [(m.start(), m.group(1)) for m in re.finditer(r"^## \(([a-z])\) ", text, re.M)]
     kept = {}
-    for k in PARTS:
-        if k not in parts and k in old and k not in res:
-            res[k] = old[k]
-            res["load"][k] = old.get("load", {}).get(k, "?")
-            kept[k] = old.get("kept", {}).get(k) or prev.get("machine", {}).get("date", "?")
+    for i, (pos, k) in enumerate(heads):
+        if k in parts or k not in PARTS or k in res:
+            continue
+        end = heads[i + 1][0] if i + 1 < len(heads) else len(text)
+        kept[k] = {"section": text[pos:end].rstrip("\n") + "\n",
+                   "headline": [h for h in prev.get("headline", []) if h.startswith("(%s)" % k)],
+                   "results": prev.get("results", {}).get(k),
+                   "date": (prev.get("kept", {}).get(k) or {}).get("date") if isinstance(prev.get("kept", {}).get(k), dict)
+                   else prev.get("kept", {}).get(k) or prev.get("machine", {}).get("date", "?")}
     if kept:
         res["kept"] = kept
 
