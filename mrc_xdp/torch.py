@@ -24,6 +24,7 @@ another op or dtype) raises one clear error at the call: never a silent fallback
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ from torch.futures import Future
 from mrc_xdp.collective import CollectiveError, Communicator, TorchStore
 
 BACKEND = "mrc"
+# Works the group keeps referenced (see ProcessGroupMRC._works)
+WORKS_KEPT = 1024
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
         dist.ReduceOp.MAX: "max"}
@@ -138,6 +141,13 @@ class ProcessGroupMRC(dist.ProcessGroup):
                                  netns=netns or os.environ.get("MRC_NETNS") or None,
                                  timeout=self._timeout, key="mrc-pg")
         self._q: queue.Queue = queue.Queue()
+        # A Work handed to C++ (DDP's reducer calls get_future() and wait() on it) is held
+        # there by its C++ half only: with no Python reference left, its Python half can be
+        # freed while C++ still calls into it (PyTorch's Python process groups keep their
+        # Works in a field for this: pytorch/pytorch#79176).  DDP then now and then read
+        # another Work's future (a SIGSEGV in parseCppCommHookResult, on a busy machine).
+        # The group keeps its most recent Works, which run and complete in call order.
+        self._works: collections.deque = collections.deque(maxlen=WORKS_KEPT)
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._worker, name="mrc-pg", daemon=True)
         self._thread.start()
@@ -163,8 +173,10 @@ class ProcessGroupMRC(dist.ProcessGroup):
 
     def _submit(self, fn, result):
         fut = Future()
+        work = MrcWork(fut, self._timeout)
+        self._works.append(work)
         self._q.put((fn, fut, result))
-        return MrcWork(fut, self._timeout)
+        return work
 
     def getBackendName(self) -> str:
         return BACKEND

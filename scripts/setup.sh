@@ -29,7 +29,7 @@ APT_PKGS=(
     libxdp-dev zlib1g-dev                            # transport engine: AF_XDP, CRC-32
     python3-venv python3-dev python3-cffi gcc make   # venv, cffi (shared header, engine)
     python3-scapy python3-pyroute2 python3-pytest    # packets, netlink, tests
-    iproute2 iperf3 ethtool tcpdump                  # lab and benchmarks
+    iproute2 iperf3 ethtool tcpdump mptcpize         # lab and benchmarks (mptcpize: gloo over MPTCP, evaluate (g), (h))
     python3-rich python3-matplotlib tmux             # mrc-xdp top, bench_failover plot, top test
     python3-prometheus-client                        # mrc-xdp metrics
     python3-numpy                                    # the collective library
@@ -37,7 +37,7 @@ APT_PKGS=(
 # MRC_SETUP_EXTRAS=0 leaves out what only the evaluation's plots, the benchmarks and the
 # `mrc-xdp top` test use (the VM lab's guest image sets it: matplotlib is most of a cold
 # image build's downloads).
-APT_EXTRAS=(python3-matplotlib tmux iperf3 tcpdump)
+APT_EXTRAS=(python3-matplotlib tmux iperf3 tcpdump mptcpize)
 if [ "${MRC_SETUP_EXTRAS:-1}" = 0 ]; then
     keep=()
     for p in "${APT_PKGS[@]}"; do [[ " ${APT_EXTRAS[*]} " == *" $p "* ]] || keep+=("$p"); done

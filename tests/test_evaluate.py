@@ -44,3 +44,71 @@ def test_evaluate_quick(tmp_path):
         assert "- " + line in rep
     assert any(line.startswith("(d)") for line in res["headline"])
     assert any(line.startswith("(e)") for line in res["headline"])
+
+
+def test_fault_schedule_fixed_and_balanced():
+    """(h)'s schedule: the same for a seed, the four kinds in equal numbers, every target
+    in the lab, durations as the issue gives them (T1 5-30 s, NIC 10 s)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import eval_jobs
+    from mrc_xdp.lab import topology
+    topo = topology.load(mode="ecmp")
+    a, b = eval_jobs.schedule(topo, 20), eval_jobs.schedule(topo, 20)
+    assert a == b and len(a) == 20
+    assert a != eval_jobs.schedule(topo, 20, seed=eval_jobs.SEED + 1)
+    kinds = [f["kind"] for f in a]
+    assert sorted(set(kinds)) == sorted(eval_jobs.KINDS) and all(kinds.count(k) == 5 for k in eval_jobs.KINDS)
+    links = {lk.name: lk for lk in topo.links}
+    t1s = {topo.t1_name(p, j) for p in range(topo.planes) for j in range(topo.t1_per_plane)}
+    for f in a:
+        assert 0.5 <= f["start_s"] <= 3.0
+        if f["kind"] == "t1_down":
+            assert f["target"] in t1s and 5 <= f["duration_s"] <= 30
+        elif f["kind"] == "nic_down":
+            assert links[f["target"]].tier != "fabric" and f["duration_s"] == 10
+        else:
+            assert links[f["target"]].tier == "fabric"
+        assert eval_jobs.fault_text(f)
+
+
+def test_evaluate_jobs_quick(tmp_path):
+    """--quick --only f,g,h: allreduce-perf over MRC and gloo (rate-limited, then
+    unthrottled), the DDP job over MRC, gloo and gloo over MPTCP, and a few fault-schedule
+    jobs, on a real lab, written up; every table row checked exact, every figure
+    measured (> 0) and in the report.  No speed is asserted."""
+    out = tmp_path / "res"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "evaluate.py"), "--quick", "--only", "f,g,h",
+                        "--out", str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = (out / "REPORT.md").read_text()
+    res = json.loads((out / "results.json").read_text())["results"]
+    for png, title in (("f_allreduce_perf.png", "## (f) allreduce-perf"), ("g_training.png", "## (g) DDP training"),
+                       ("h_job_failures.png", "## (h) Job failures")):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000, png
+        assert "](%s)" % png in rep and title in rep
+    f = res["f"]
+    assert f["capacity"]["host_to_host_bps"] == 4 * f["rate_bps"]
+    for kind in ("limited", "free"):
+        for tr in ("mrc", "gloo"):
+            rows = f[kind][tr]["rows"]
+            assert rows and all(r["wrong"] == 0 and r["busbw"] > 0 for r in rows), (kind, tr)
+    sizes = [r["size"] for r in f["limited"]["mrc"]["rows"]]
+    assert sizes == [r["size"] for r in f["limited"]["gloo"]["rows"]] and sizes[0] == 1024
+    g = res["g"]
+    for tr in ("mrc", "gloo", "mptcp"):
+        assert g["runs"][tr] and all(x["samples_per_s"] > 0 for x in g["runs"][tr])
+        assert "**%.1f**" % g["median"][tr] in rep
+    assert all(x["mp_joins"] > 0 for x in g["runs"]["mptcp"])      # MPTCP really had subflows
+    h = res["h"]
+    assert h["timeout_s"] > 0 and len(h["schedule"]) >= 2
+    for tr in ("mrc", "gloo", "mptcp"):
+        jobs = h["jobs"][tr]
+        assert len(jobs) == len(h["schedule"])
+        assert all(j["outcome"] in ("failed", "slow", "unaffected") for j in jobs)
+        assert sum(h["counts"][tr].values()) == len(jobs)
+    heads = json.loads((out / "results.json").read_text())["headline"]
+    for k in "fgh":
+        assert any(line.startswith("(%s)" % k) for line in heads)
+    for line in heads:
+        assert "- " + line in rep

@@ -81,6 +81,15 @@ try:
         work = dist.all_reduce(torch.ones(3), async_op=True)
         work.wait()
         bad += [] if work.get_future().value()[0].tolist() == [float(w)] * 3 else ["async future"]
+        # a Work nothing in Python references stays alive (C++, e.g. DDP's reducer, still
+        # calls into it): the group keeps it
+        import gc
+        import weakref
+        ref = weakref.ref(dist.all_reduce(torch.ones(3), async_op=True))
+        gc.collect()
+        bad += [] if ref() is not None else ["a Work referenced only from C++ was freed"]
+        if ref() is not None:
+            ref().wait()
         dist.barrier()
         out(bad=bad)
     elif mode == "errors":
