@@ -46,7 +46,6 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mrc_xdp.transport import bootstrap
 from mrc_xdp.lab import ctlpath
 from mrc_xdp.datapath import loader, netns  # noqa: E402
 from mrc_xdp.datapath.config import HostConfig  # noqa: E402
@@ -430,7 +429,7 @@ def part_b(args, out):
             addrs = ctlpath.lab_control_path(prefix, topo)
             h0, h2 = prefix + "h0", prefix + "h2"
             for h in (h0, h2):      # a TCP flow keeps its path (no re-hash on RTO), as on hardware ECMP
-                netns.run(h, bootstrap._sysctl, "net.core.txrehash", "0")
+                netns.run(h, ctlpath._sysctl, "net.core.txrehash", "0")
             dst = addrs["h2"][0]
             r = {"capacity_bps": cap, "rate_t0t1_bps": rate, "rate_host_bps": 2 * rate,
                  "mtu": topo.mtu, "app_mtu": topo.app_mtu}

@@ -121,7 +121,7 @@ class Jobs:
         """Every host: its plane-1 control address a subflow endpoint (the connecting
         side opens a second subflow over plane 1; policy routing keeps what is sent from
         C(1, h) on plane 1)."""
-        from mrc_xdp import netns  # noqa: F401
+        from mrc_xdp.datapath import netns  # noqa: F401
         import bench_transport as bt
         if not os.path.exists(MPTCPIZE_LIB):
             raise RuntimeError("gloo over MPTCP needs mptcpize (apt-get install mptcpize; make setup)")

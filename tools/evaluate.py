@@ -168,7 +168,6 @@ class Lab:
         self.tmp = tempfile.mkdtemp(prefix="evaluate-")
 
     def __enter__(self):
-        from mrc_xdp.transport import bootstrap
         from mrc_xdp.lab import ctlpath
         from mrc_xdp.health import daemon as health
         from mrc_xdp.datapath import netns
@@ -180,7 +179,7 @@ class Lab:
         self.lm = lmod.LinkModel.open(self.st["pin_dir"])
         self.ctl = ctlpath.lab_control_path(self.prefix, self.topo)
         for h in self.topo.hosts:     # a TCP flow keeps its path on RTO (as on hardware ECMP)
-            netns.run(self.prefix + h.name, bootstrap._sysctl, "net.core.txrehash", "0")
+            netns.run(self.prefix + h.name, ctlpath._sysctl, "net.core.txrehash", "0")
         self.sock = os.path.join(self.tmp, "events.sock")
         cfgf = os.path.join(self.tmp, "daemon.toml")
         with open(cfgf, "w") as f:
