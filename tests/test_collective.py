@@ -318,3 +318,21 @@ def test_non_contiguous_and_unsupported_arrays_are_refused(lab):
     assert_all_ok(res)
     for r, (_, msgs) in res.items():
         assert not any(m.startswith("accepted") for m in msgs), msgs
+
+
+def test_qp_retry_budget_covers_the_timeout():
+    """A QP's RTO expiries in a row (1 ms doubling to the engine's 500 ms ceiling) last at
+    least the communicator's timeout, so a path dead for less than it never errors a QP
+    (the engine's own default, 12, gives up after about 2.5 s)."""
+    from mrc_xdp.collective.comm import ENGINE_RETRY_LIMIT, ENGINE_RTO_MAX_S, retry_limit_for
+
+    def lasts(n, rto=0.001):
+        t = 0.0
+        for _ in range(n):
+            t += rto
+            rto = min(2 * rto, ENGINE_RTO_MAX_S)
+        return t
+    assert lasts(ENGINE_RETRY_LIMIT) < 3.0
+    for timeout in (1, 5, 10, 60, 300, 1800):
+        assert lasts(retry_limit_for(timeout)) >= timeout
+    assert retry_limit_for(0) == ENGINE_RETRY_LIMIT

@@ -1078,6 +1078,7 @@ def main(argv=None) -> int:
             res["load"][p] = loadavg()
             log("(%s) starting (load average %s)" % (p, res["load"][p]))
             t = time.monotonic()
+            started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
             try:
                 if p == "c":
                     try:
@@ -1092,7 +1093,7 @@ def main(argv=None) -> int:
                 else:
                     PARTS[p].run(args, res)
                 if p in "fgh":
-                    res[p]["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+                    res[p]["date"] = started
                     res[p]["seconds_part"] = round(time.monotonic() - t, 1)
                 plot(p, res, args)
             except (RuntimeError, OSError, ValueError) as e:

@@ -31,6 +31,7 @@ peer rank and its QP's state and counters; the communicator is then unusable.
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from collections import deque
@@ -48,6 +49,21 @@ class CollectiveError(RuntimeError):
 
 
 CID_MASK = (1 << 24) - 1
+# the engine's RTO ceiling and its default retry limit (engine.h): a QP errors after
+# retry_limit RTO expiries in a row, the RTO doubling up to the ceiling
+ENGINE_RTO_MAX_S = 0.5
+ENGINE_RETRY_LIMIT = 12
+
+
+def retry_limit_for(timeout: float, rto_max_s: float = ENGINE_RTO_MAX_S) -> int:
+    """The QP retry limit whose RTO expiries in a row last at least `timeout` seconds.
+
+    The engine's default (12 expiries, RTO 1 ms doubling to 500 ms: about 2.5 s) would
+    error a QP, and with it the job, long before the collective timeout an operator sets
+    (as NCCL operators set NCCL_IB_TIMEOUT and NCCL_IB_RETRY_CNT so that the IB
+    transport's retries outlast a transient outage and the collective timeout decides):
+    a path dead for less than the timeout never ends a collective on its own."""
+    return ENGINE_RETRY_LIMIT + int(math.ceil(max(0.0, timeout) / rto_max_s))
 
 
 def _signature(kind: str, dtype: str, count: int, op: str) -> int:
@@ -60,7 +76,10 @@ class Communicator:
     instance this rank's Endpoint opens (netns: its namespace, default the instance's).
     timeout: seconds without progress before a collective fails.  chunk_bytes, slots:
     pipelining unit and chunks in flight per peer.  key: a prefix making this
-    communicator's keys unique in the store (several communicators may share it)."""
+    communicator's keys unique in the store (several communicators may share it).
+    endpoint_opts: engine options of the Endpoint (transport.Endpoint); its QPs' retry
+    limit defaults to retry_limit_for(timeout), so that the timeout, not the engine's
+    retry limit, decides when a silent peer ends a collective."""
 
     def __init__(self, rank: int, world_size: int, store, instance: str, *, netns: str | None = None,
                  timeout: float = 300.0, chunk_bytes: int = 1 << 20, slots: int = 4, key: str = "mrc",
@@ -78,8 +97,10 @@ class Communicator:
         self._store, self._key = store, key
         self.peers = [j for j in range(world_size) if j != rank]
         self.ep = None
+        opts = dict(endpoint_opts or {})
+        opts.setdefault("retry_limit", retry_limit_for(self.timeout))
         try:
-            self.ep = transport.Endpoint(instance, netns, **(endpoint_opts or {}))
+            self.ep = transport.Endpoint(instance, netns, **opts)
             self._setup(store, key)
         except transport.TransportError as e:
             self.close()
