@@ -16,8 +16,10 @@ import sys
 from mrc_xdp.lab.executor import ExecError, _last_line
 
 
-def call(node, fn: str, timeout: float = 900, **kwargs):
-    """Run agent function ``fn`` on ``node`` (NetnsNode or SshNode); its result."""
+def call(node, fn: str, /, timeout: float = 900, **kwargs):
+    """Run agent function ``fn`` on ``node`` (NetnsNode or SshNode); its result.  node
+    and fn are positional only: agent functions take arguments of those names (e.g.
+    vm_datapaths(node=...))."""
     if fn not in AGENT:
         raise ExecError("unknown agent function %r" % fn)
     if node.kind == "vm":
