@@ -1429,13 +1429,13 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		e->st.fb_oow++;
 		return;
 	}
-	fb_seen(q, now_ns());
+	now = now_ns();
+	fb_seen(q, now);
 	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
 		if (t->state != TXP_INFLIGHT)
 			return;
 		mark_lost(q, t);
 		q->st.rtx_nack_trim++;
-		now = now_ns();
 		/* trimming is congestion (UET NSCC: a NACK is a decrease signal): at most one
 		 * multiplicative decrease per RTT, half of cc_max_md; it also counts as marked
 		 * bytes for the ECN average */
