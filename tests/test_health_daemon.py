@@ -316,6 +316,16 @@ def test_config_errors(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1
 
 
+def test_daemon_says_when_no_instance_matches(tmp_path):
+    """A daemon told to follow an instance that is not loaded (a typo, or started before
+    the load) says so once, with what is loaded, and keeps waiting for it."""
+    name = "no-such-%d" % os.getpid()
+    p = H.cli("daemon", "-i", name, "--socket", str(tmp_path / "ev.sock"), "--seconds", "1", check=False)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if "no loaded instance matches" in ln]
+    assert len(lines) == 1 and name in lines[0] and "waiting for one to load" in lines[0], p.stderr
+
+
 def test_example_config_and_unit():
     """contrib/daemon.toml is the documented default set; the unit runs `mrc-xdp daemon`."""
     from mrc_xdp.health import HealthConfig

@@ -93,7 +93,8 @@ def test_perf_tools_json_and_other_collectives(prefix):
 def test_perf_tool_outside_a_job_is_one_line():
     r = subprocess.run(MRC + ["allreduce-perf"], capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
-    assert r.returncode == 1 and "no rank" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("allreduce-perf: no rank: ") and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_train_demo_runs_and_trains_through_a_t1_failure():

@@ -147,15 +147,15 @@ def run(args, out=sys.stdout) -> int:
         import torch
         import torch.distributed as dist
     except ImportError:
-        raise PerfError("%s needs PyTorch: run `make setup` (it installs torch==2.13.0)" % args.tool) from None
+        raise PerfError("needs PyTorch: run `make setup` (it installs torch==2.13.0)") from None
     if args.backend == "mrc":
         import mrc_xdp.torch  # noqa: F401  (registers the backend)
     env = os.environ
     rank = args.rank if args.rank is not None else int(env.get("RANK", "-1"))
     world = args.world_size if args.world_size is not None else int(env.get("WORLD_SIZE", "0"))
     if rank < 0 or world < 1:
-        raise PerfError("%s: no rank: run it under `mrc-xdp lab launch` or torchrun, or pass --rank and "
-                        "--world-size with --master-addr/--master-port" % args.tool)
+        raise PerfError("no rank: run it under `mrc-xdp lab launch` or torchrun, or pass --rank and "
+                        "--world-size with --master-addr/--master-port")
     if args.master_addr:
         os.environ["MASTER_ADDR"] = args.master_addr
     if args.master_port:
@@ -164,7 +164,7 @@ def run(args, out=sys.stdout) -> int:
         os.environ["MRC_INSTANCE"] = args.instance
     for k in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(k):
-            raise PerfError("%s: %s is not set (torchrun and `mrc-xdp lab launch` set it)" % (args.tool, k))
+            raise PerfError("%s is not set (torchrun and `mrc-xdp lab launch` set it)" % k)
     dtype = getattr(torch, args.dtype)
     op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
           "max": dist.ReduceOp.MAX}[args.op]

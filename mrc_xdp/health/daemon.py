@@ -938,6 +938,10 @@ class Daemon:
                     break
                 if now >= next_scan:
                     self.rescan()
+                    if not next_scan and not self.watch:        # after the first scan: say why it idles
+                        loaded = maps.instances()
+                        self.log("no loaded instance matches %s (loaded: %s): waiting for one to load"
+                                 % (" or ".join(self.cfg.instances), ", ".join(loaded) or "none"))
                     next_scan = now + RESCAN_S
                 fds = {w.fileno(): w for w in self.watch.values() if w.fileno() is not None}
                 try:
