@@ -51,6 +51,21 @@ class MrcBackendError(RuntimeError):
     """A call the mrc backend cannot run (wrong device, dtype or op)."""
 
 
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """A tuning knob from the environment (see docs/collective.md), checked."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v, 0)
+    except ValueError:
+        n = None
+    if n is None or not lo <= n <= hi or (name == "MRC_CHUNK_BYTES" and n % 8):
+        raise MrcBackendError("mrc backend: %s=%r: expected an integer in %d..%d%s" % (
+            name, v, lo, hi, " (a multiple of 8)" if name == "MRC_CHUNK_BYTES" else ""))
+    return n
+
+
 def _op(opts) -> str:
     for k, v in _OPS.items():
         if opts.reduceOp == k:
@@ -92,14 +107,28 @@ class _View:
                 self.t.copy_(self.work)
 
 
+def _unwrap(fut: Future):
+    return fut.value()          # raises the collective's error
+
+
 class MrcWork(dist._Work):
     """A collective in flight: wait() blocks until it ran and raises its error (a Work
     made by _create_work_from_future returns True from wait() even when its future
-    failed, which would let a training loop run on after a dead peer)."""
+    failed, which would let a training loop run on after a dead peer).
+
+    Two futures: ``_fut``, which the worker completes (with the result, or with the
+    CollectiveError through ``set_exception``), and the one ``get_future()`` hands out,
+    ``_fut.then(_unwrap)``.  torch's ``Future.set_exception`` completes a future with the
+    exception as its *value* (Python unwraps it when read); C++ sees a success, and DDP's
+    reducer read that value as the bucket's tensors and crashed (SIGSEGV in
+    ``parseCppCommHookResult``, whenever a collective under DDP failed).  A ``then``
+    callback that raises fails its future in C++, so DDP raises the error from
+    ``backward()`` instead."""
 
     def __init__(self, fut: Future, timeout: float):
         super().__init__()
         self._fut = fut
+        self._out = fut.then(_unwrap)
         self._timeout = timeout
 
     def wait(self, timeout=None) -> bool:
@@ -107,7 +136,7 @@ class MrcWork(dist._Work):
         return True
 
     def get_future(self) -> Future:
-        return self._fut
+        return self._out
 
     def is_completed(self) -> bool:
         return self._fut.done()
@@ -139,7 +168,9 @@ class ProcessGroupMRC(dist.ProcessGroup):
         inst = instance or os.environ.get("MRC_INSTANCE", "default")
         self.comm = Communicator(rank, world_size, TorchStore(store), inst,
                                  netns=netns or os.environ.get("MRC_NETNS") or None,
-                                 timeout=self._timeout, key="mrc-pg")
+                                 timeout=self._timeout, key="mrc-pg",
+                                 chunk_bytes=_env_int("MRC_CHUNK_BYTES", 1 << 20, 4096, 1 << 26),
+                                 slots=_env_int("MRC_SLOTS", 4, 1, 64))
         self._q: queue.Queue = queue.Queue()
         # A Work handed to C++ (DDP's reducer calls get_future() and wait() on it) is held
         # there by its C++ half only: with no Python reference left, its Python half can be

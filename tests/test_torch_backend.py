@@ -115,7 +115,14 @@ def test_ddp_completes_with_a_t1_blackholed_mid_run(lab):
     assert len({round(v[0]["checksum"], 6) for v in res.values()}) == 1
 
 
-def test_a_killed_rank_fails_the_others_within_the_timeout(lab, tmp_path):
+@pytest.mark.parametrize("mode", ["hang", "ddp_hang"])
+def test_a_killed_rank_fails_the_others_within_the_timeout(lab, tmp_path, mode):
+    """A rank killed mid-collective (all_reduce in a loop, or DDP training): every other
+    rank gets the collective's error within the timeout.  Under DDP the error reaches
+    loss.backward() through the allreduce's future: a future that failed must fail in
+    C++ too (torch's Future.set_exception completes it with the exception as its value,
+    which DDP's reducer read as the bucket and crashed on: SIGSEGV in
+    parseCppCommHookResult)."""
     ready = str(tmp_path / "ready")
     killed = []
 
@@ -127,7 +134,7 @@ def test_a_killed_rank_fails_the_others_within_the_timeout(lab, tmp_path):
         time.sleep(1)
         procs[2].send_signal(signal.SIGKILL)
         killed.append(time.monotonic())
-    res = launch(lab, "mrc", "hang", pg_timeout=20, during=kill, limit=300, ready=ready)
+    res = launch(lab, "mrc", mode, pg_timeout=20, during=kill, limit=300, ready=ready)
     took = time.monotonic() - killed[0]
     for r in (0, 1, 3):
         line, rc, err = res[r]

@@ -107,6 +107,20 @@ try:
             msgs.append(str(e).splitlines()[0])
         dist.barrier()
         out(msgs=msgs)
+    elif mode == "ddp_hang":          # DDP training steps until a rank is killed
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        t0, n = time.monotonic(), 0
+        while time.monotonic() - t0 < 120:
+            loss = nn.functional.cross_entropy(ddp(torch.randn(64, 64)), torch.randint(0, 10, (64,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            n += 1
+            if n == 3:
+                open(os.environ["READY_FILE"] + str(r), "w").close()
+        out(error="never failed")
     elif mode == "hang":              # every rank all-reduces until one of them is killed
         t = torch.ones(1 << 20)
         dist.all_reduce(t)
