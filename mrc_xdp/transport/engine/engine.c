@@ -8,8 +8,11 @@
  * completion ring), and one progress thread.  The thread loops: RX batch (verify ICRC,
  * place data, SACK/NACK bookkeeping), completions, timers (delayed SACKs, RTO), TX
  * (retransmissions first, then new packets within the PSN window and the congestion
- * window), fill-ring refill; it sleeps in ppoll() on the socket and an eventfd when
- * there is nothing to do, with the nearest timer as timeout (no spinning at 0 load).
+ * window), fill-ring refill; when there is nothing to do it first spins for a bounded,
+ * adaptive time (opts.spin_us; watching the RX ring, new posts and its timers, no syscall:
+ * a round trip's next frame is often microseconds away), then sleeps in ppoll() on the
+ * socket and an eventfd, with the nearest timer as timeout (no spinning at 0 load: it
+ * spins only after work).
  *
  * Wire format per docs/mrc-wire.md, constants from bpf/mrc_shared.h.
  *   data: Eth | IPv6 | UDP 4791 | BTH | METH | RETH | [ImmDt] | payload | pad | ICRC
@@ -368,6 +371,14 @@ struct mrc_eng {
 	/* CQ */
 	struct mrc_eng_wc *cq;
 	uint32_t cq_head, cq_len, cq_cap;
+	int cq_fd_set;               /* the eventfd holds a count (under cq_mu) */
+	atomic_uint cq_pending;      /* cq_len, readable without cq_mu (a spinning caller) */
+	atomic_int cq_spinners;      /* callers spinning in mrc_eng_cq_wait: no eventfd write */
+	/* spin (progress()) */
+	atomic_uint posts;           /* post_write count: the thread's spin sees new work */
+	atomic_int sleeping;         /* the thread is in (or about to enter) ppoll */
+	atomic_ulong post_wakeups;   /* stats.post_wakeups (written outside mu) */
+	uint64_t spin_max_ns, spin_cur_ns;
 	struct mrc_eng_stats st;
 };
 
@@ -403,14 +414,20 @@ static void cq_push(struct mrc_eng *e, uint64_t wr_id, uint32_t qpn, uint32_t st
 	w->byte_len = byte_len;
 	w->imm = imm;
 	w->has_imm = has_imm;
-	if (e->cq_len++ == 0)
+	atomic_store(&e->cq_pending, ++e->cq_len);
+	/* the eventfd is readable while completions are pending, except while a caller spins
+	 * in mrc_eng_cq_wait: it sees cq_pending, and the write (a syscall, and a wake-up of
+	 * whatever sleeps on the eventfd) is left to mrc_eng_poll should completions remain */
+	if (!e->cq_fd_set && !atomic_load(&e->cq_spinners)) {
 		(void)!write(e->cq_fd, &one, sizeof(one));
+		e->cq_fd_set = 1;
+	}
 	pthread_mutex_unlock(&e->cq_mu);
 }
 
 int mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max)
 {
-	uint64_t v;
+	uint64_t v, one = 1;
 	int n = 0;
 
 	pthread_mutex_lock(&e->cq_mu);
@@ -419,11 +436,27 @@ int mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max)
 		e->cq_head = (e->cq_head + 1) % e->cq_cap;
 		e->cq_len--;
 	}
-	if (!e->cq_len)
+	atomic_store(&e->cq_pending, e->cq_len);
+	if (!e->cq_len && e->cq_fd_set) {
 		(void)!read(e->cq_fd, &v, sizeof(v));   /* nonblocking: drain */
+		e->cq_fd_set = 0;
+	} else if (e->cq_len && !e->cq_fd_set) {    /* pushed while a caller spun */
+		(void)!write(e->cq_fd, &one, sizeof(one));
+		e->cq_fd_set = 1;
+	}
 	pthread_mutex_unlock(&e->cq_mu);
 	return n;
 }
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
 
 int mrc_eng_cq_fd(struct mrc_eng *e) { return e->cq_fd; }
 
@@ -685,6 +718,8 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 	*out = e->st;
 	out->qps = e->nqps;
 	out->umem_free = e->n_tx_free;
+	out->spin_limit_ns = e->spin_cur_ns;
+	out->post_wakeups = atomic_load_explicit(&e->post_wakeups, memory_order_relaxed);
 	pthread_mutex_unlock(&e->mu);
 }
 
@@ -751,7 +786,15 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 	qp_tx(e, q, now_ns());
 	tx_kick(e);
 	pthread_mutex_unlock(&e->mu);
-	(void)!write(e->wake_fd, &one, sizeof(one));
+	/* a spinning thread sees the new post count; only a sleeping one needs the eventfd
+	 * (progress() sets sleeping, then reads posts once more before ppoll: one of the two
+	 * sides sees the other's store).  Without spin the eventfd is written every time, as
+	 * it always was. */
+	atomic_fetch_add(&e->posts, 1);
+	if (!e->spin_max_ns || atomic_load(&e->sleeping)) {
+		(void)!write(e->wake_fd, &one, sizeof(one));
+		atomic_fetch_add_explicit(&e->post_wakeups, 1, memory_order_relaxed);
+	}
 	return 0;
 }
 
@@ -1736,46 +1779,179 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 
 /* ------------------------------------------------------------------ progress thread */
 
+/* Spin after work (opts.spin_us).  The thread spins only once it has had work; what
+ * it watches needs no lock and no syscall: the RX ring's producer index, the post
+ * count, the nearest timer, and the completion ring when TX frames ran out.  The limit
+ * adapts between 0 and spin_us, as KVM's halt polling does: a spin that found work
+ * doubles it; a spin that ran out leaves it, and the sleep that follows tells what
+ * would have helped: woken by work within spin_us of the spin's start, a longer spin
+ * would have caught it (the limit grows to 5/4 of that gap); later (or by a timer
+ * alone), spinning was a waste (the limit halves, to 0 below 1 us).  So a ping-pong
+ * whose turns come back within spin_us keeps the thread awake, and a stream of sparse
+ * events soon stops costing spins.  An endpoint with nothing to do never spins. */
+static int spin_found(struct mrc_eng *e, unsigned posts_seen, uint64_t next, int blocked)
+{
+	if (__atomic_load_n(e->rx.producer, __ATOMIC_ACQUIRE) !=
+	    __atomic_load_n(e->rx.consumer, __ATOMIC_RELAXED))
+		return 1;
+	if (atomic_load_explicit(&e->posts, memory_order_acquire) != posts_seen)
+		return 1;
+	if (blocked && __atomic_load_n(e->comp.producer, __ATOMIC_ACQUIRE) !=
+	               __atomic_load_n(e->comp.consumer, __ATOMIC_RELAXED))
+		return 1;
+	if (atomic_load(&e->stop))
+		return 1;
+	if (next != UINT64_MAX && now_ns() >= next)
+		return 1;
+	return atomic_load_explicit(&e->cq_spinners, memory_order_relaxed) ? 2 : 0;
+}
+
+/* One round of the progress loop, under e->mu: RX batch, timers, TX, kicks.  Returns the
+ * frames received and sent; *now, the time it used; *next lowered to the nearest timer;
+ * *blocked set if a QP waits for TX frames.  The progress thread runs it, and so does a
+ * caller spinning in mrc_eng_cq_wait when the RX ring has frames. */
+static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int *blocked)
+{
+	int work, rx;
+	uint64_t now;
+	struct qp *q;
+
+	e->st.loops++;
+	rx = rx_batch(e);
+	work = rx;
+	tx_complete(e);
+	*nowp = now = now_ns();
+	for (q = e->qps; q; q = q->next)
+		qp_timers(e, q, now, next, rx == RX_BATCH);
+	for (q = e->qps; q; q = q->next) {
+		work += qp_tx(e, q, now);
+		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free)
+			*blocked = 1;
+		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
+		    cc_paced(e, q, now) && q->pace_ns < *next)
+			*next = q->pace_ns;      /* paced: wake when the next packet may go */
+	}
+	tx_kick(e);
+	tx_complete(e);
+	if (xsk_ring_prod__needs_wakeup(&e->fill))
+		recvfrom(e->xsk_fd, NULL, 0, MSG_DONTWAIT, NULL, NULL);
+	return work;
+}
+
+int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t spin_us)
+{
+	uint64_t end, now, next;
+	int n = mrc_eng_poll(e, wc, max), blocked;
+
+	if (n || !spin_us)
+		return n;
+	atomic_fetch_add(&e->cq_spinners, 1);
+	end = now_ns() + (uint64_t)spin_us * 1000;
+	while (!atomic_load_explicit(&e->cq_pending, memory_order_acquire)) {
+		/* frames in the RX ring: receive them in this thread (the completion they make
+		 * comes to this caller without a hand-off); the progress thread is not needed
+		 * for it, and does not spin while a caller does */
+		if (__atomic_load_n(e->rx.producer, __ATOMIC_ACQUIRE) !=
+		    __atomic_load_n(e->rx.consumer, __ATOMIC_RELAXED) &&
+		    !pthread_mutex_trylock(&e->mu)) {
+			next = UINT64_MAX;
+			blocked = 0;
+			e->st.caller_rx++;
+			progress_once(e, &now, &next, &blocked);
+			pthread_mutex_unlock(&e->mu);
+			continue;
+		}
+		if (now_ns() >= end)
+			break;
+		cpu_relax();
+	}
+	atomic_fetch_sub(&e->cq_spinners, 1);
+	/* a completion pushed while this caller spun wrote no eventfd: take it now (the
+	 * caller sleeps on the eventfd only after a poll that found none) */
+	return mrc_eng_poll(e, wc, max);
+}
+
+static void spin_grow(struct mrc_eng *e, uint64_t to)
+{
+	if (to < 1000)
+		to = 1000;
+	e->spin_cur_ns = to > e->spin_max_ns ? e->spin_max_ns : to;
+}
+
 static void *progress(void *arg)
 {
 	struct mrc_eng *e = arg;
 	struct pollfd pfd[2];
 	sigset_t all;
+	unsigned posts_seen = 0;
+	uint64_t last_work = 0, missed_at = 0;   /* missed_at: start of a spin that ran out */
 
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, NULL);
 	prctl(PR_SET_TIMERSLACK, 5000UL, 0, 0, 0);   /* pacing sleeps: 5 us, not the default 50 */
+	prctl(PR_SET_NAME, "mrc-engine", 0, 0, 0);    /* top -H, /proc/<pid>/task/<tid>/comm */
 	pfd[0].fd = e->xsk_fd;
 	pfd[1].fd = e->wake_fd;
 	pfd[1].events = POLLIN;
 	while (!atomic_load(&e->stop)) {
 		uint64_t now, next = UINT64_MAX, v;
-		int work = 0, blocked = 0, rx;
-		struct qp *q;
+		int work = 0, blocked = 0;
+		unsigned posts = atomic_load(&e->posts);
 
 		pthread_mutex_lock(&e->mu);
-		e->st.loops++;
-		rx = rx_batch(e);
-		work += rx;
-		tx_complete(e);
-		now = now_ns();
-		for (q = e->qps; q; q = q->next)
-			qp_timers(e, q, now, &next, rx == RX_BATCH);
-		for (q = e->qps; q; q = q->next) {
-			work += qp_tx(e, q, now);
-			if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free)
-				blocked = 1;
-			if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
-			    cc_paced(e, q, now) && q->pace_ns < next)
-				next = q->pace_ns;      /* paced: wake when the next packet may go */
-		}
-		tx_kick(e);
-		tx_complete(e);
-		if (xsk_ring_prod__needs_wakeup(&e->fill))
-			recvfrom(e->xsk_fd, NULL, 0, MSG_DONTWAIT, NULL, NULL);
+		work = progress_once(e, &now, &next, &blocked);
 		pthread_mutex_unlock(&e->mu);
-		if (work)
+		if (e->spin_max_ns) {
+			int event = work || posts != posts_seen;
+
+			posts_seen = posts;
+			if (event) {
+				if (missed_at) {        /* woken by work after a spin ran out */
+					if (now - missed_at <= e->spin_max_ns)
+						spin_grow(e, (now - missed_at) * 5 / 4);
+					else
+						e->spin_cur_ns = e->spin_cur_ns / 2 < 1000 ? 0 : e->spin_cur_ns / 2;
+					missed_at = 0;
+				}
+				last_work = now;
+			}
+			if (work)
+				continue;
+			if (last_work && e->spin_cur_ns && now - last_work < e->spin_cur_ns &&
+			    !atomic_load(&e->cq_spinners)) {     /* a spinning caller receives */
+				uint64_t t0 = now, end = last_work + e->spin_cur_ns, t;
+				int found;
+
+				while (!(found = spin_found(e, posts_seen, next, blocked)) && (t = now_ns()) < end)
+					cpu_relax();
+				t = now_ns();
+				pthread_mutex_lock(&e->mu);
+				e->st.spin_ns += t - t0;
+				if (found == 1) {
+					e->st.spin_hits++;
+					spin_grow(e, e->spin_cur_ns * 2);
+				} else if (!found) {
+					e->st.spin_misses++;
+					missed_at = t0;
+				} else {
+					e->st.spin_yields++;   /* a caller spins and receives: sleep */
+				}
+				e->st.spin_limit_ns = e->spin_cur_ns;
+				pthread_mutex_unlock(&e->mu);
+				if (found == 1)
+					continue;
+				now = t;
+			} else if (missed_at && now - missed_at > e->spin_max_ns) {
+				/* slept past spin_us (a timer woke it, no work): spinning was a waste */
+				e->spin_cur_ns = e->spin_cur_ns / 2 < 1000 ? 0 : e->spin_cur_ns / 2;
+				missed_at = 0;
+			}
+			last_work = 0;              /* the next spin needs new work */
+			if (!missed_at && e->spin_cur_ns < e->spin_max_ns && !e->spin_cur_ns)
+				missed_at = now;        /* spin limit 0: the next wake-up says if it should grow */
+		} else if (work) {
 			continue;
+		}
 		{
 			struct timespec ts, *tsp = NULL;
 
@@ -1790,8 +1966,16 @@ static void *progress(void *arg)
 			}
 			pfd[0].events = POLLIN;
 			e->st.sleeps++;
+			atomic_store(&e->sleeping, 1);
+			/* a post between this iteration's read of the count and the store above
+			 * wrote no eventfd: look again */
+			if (e->spin_max_ns && atomic_load(&e->posts) != posts_seen) {
+				atomic_store(&e->sleeping, 0);
+				continue;
+			}
 			if (ppoll(pfd, 2, tsp, NULL) > 0 && (pfd[1].revents & POLLIN))
 				(void)!read(e->wake_fd, &v, sizeof(v));
+			atomic_store(&e->sleeping, 0);
 		}
 	}
 	return NULL;
@@ -1828,6 +2012,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(cc_prop_gain, 100);
 	DEF(cc_md_gamma, 100);
 	DEF(cc_max_md, 50);
+	DEF(spin_us, MRC_ENG_SPIN_DEFAULT_US);
 }
 
 static int pow2(uint32_t v) { return v && !(v & (v - 1)); }
@@ -1907,6 +2092,13 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 			 e->o.frame_size);
 		goto fail;
 	}
+	if (e->o.spin_us != MRC_ENG_SPIN_OFF && e->o.spin_us > MRC_ENG_SPIN_MAX_US) {
+		snprintf(err, errlen, "engine options: spin_us %u: at most %u microseconds (or off)",
+			 e->o.spin_us, MRC_ENG_SPIN_MAX_US);
+		goto fail;
+	}
+	e->spin_max_ns = e->o.spin_us == MRC_ENG_SPIN_OFF ? 0 : (uint64_t)e->o.spin_us * 1000;
+	e->spin_cur_ns = e->spin_max_ns;
 	e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	e->cq_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (e->wake_fd < 0 || e->cq_fd < 0) {
