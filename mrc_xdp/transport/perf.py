@@ -29,7 +29,7 @@ CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
 # the engine counters write-lat reports (each side's): how the round trips were waited for
 ENGINE_LAT_STATS = ("loops", "sleeps", "spin_hits", "spin_misses", "spin_ns", "spin_limit_ns", "post_wakeups",
-                    "caller_rx", "spin_yields")
+                    "caller_rx", "caller_wakeups", "spin_yields")
 CQ_SPIN_DEFAULT_US = 0    # write-lat: the caller's spin for each completion (--cq-spin-us)
 
 

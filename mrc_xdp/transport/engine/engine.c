@@ -376,8 +376,11 @@ struct mrc_eng {
 	atomic_int cq_spinners;      /* callers spinning in mrc_eng_cq_wait: no eventfd write */
 	/* spin (progress()) */
 	atomic_uint posts;           /* post_write count: the thread's spin sees new work */
-	atomic_int sleeping;         /* the thread is in (or about to enter) ppoll */
+	_Atomic uint64_t sleep_until; /* 0: the thread is awake; else it is in (or about to
+	                              * enter) ppoll until then (UINT64_MAX: no timeout) */
+	uint64_t active_ns;          /* the thread's last work (its own clock) */
 	atomic_ulong post_wakeups;   /* stats.post_wakeups (written outside mu) */
+	atomic_ulong caller_wakeups; /* stats.caller_wakeups (likewise) */
 	uint64_t spin_max_ns, spin_cur_ns;
 	struct mrc_eng_stats st;
 };
@@ -720,6 +723,7 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 	out->umem_free = e->n_tx_free;
 	out->spin_limit_ns = e->spin_cur_ns;
 	out->post_wakeups = atomic_load_explicit(&e->post_wakeups, memory_order_relaxed);
+	out->caller_wakeups = atomic_load_explicit(&e->caller_wakeups, memory_order_relaxed);
 	pthread_mutex_unlock(&e->mu);
 }
 
@@ -736,8 +740,8 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 	struct qp *q;
 	struct mr *m;
 	struct wr *w;
-	uint64_t one = 1;
-	int rc = 0;
+	uint64_t one = 1, now, deadline, su;
+	int rc = 0, more;
 
 	if (len > 0xFFFFFFFFull)
 		return -EMSGSIZE;          /* RETH DMA length is 32 bits */
@@ -782,16 +786,31 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 	 * without waiting for the progress thread to wake (one scheduling delay less on the
 	 * latency path); the thread is still woken, off that path, to arm the RTO and send
 	 * the rest */
+	now = now_ns();
 	tx_complete(e);
-	qp_tx(e, q, now_ns());
+	qp_tx(e, q, now);
 	tx_kick(e);
+	if (e->spin_max_ns && q->snd_una != q->snd_next) {
+		/* arm the RTO here, as qp_timers would: a thread asleep until before it need
+		 * not be woken for it */
+		if (!q->fb_ns)
+			q->fb_ns = now;
+		if (!q->rto_deadline)
+			q->rto_deadline = now + q->rto;
+	}
+	more = q->wr_cur || q->rtx_head != q->rtx_tail;
+	deadline = q->rto_deadline ? q->rto_deadline : UINT64_MAX;
 	pthread_mutex_unlock(&e->mu);
-	/* a spinning thread sees the new post count; only a sleeping one needs the eventfd
-	 * (progress() sets sleeping, then reads posts once more before ppoll: one of the two
-	 * sides sees the other's store).  Without spin the eventfd is written every time, as
-	 * it always was. */
+	/* With spin the thread is woken only when it must be: it sleeps (sleep_until != 0)
+	 * and this post left packets it must send, or armed an RTO before its wake-up (a
+	 * thread that had work in the last second sleeps at most rto_min_us at a time, so a
+	 * ping-pong's posts wake nobody).  An awake thread sees the new post count: it stores
+	 * sleep_until, then reads posts once more before ppoll, and this side adds to posts,
+	 * then reads sleep_until, so one of the two sees the other's store.  Without spin the
+	 * eventfd is written every time, as it always was. */
 	atomic_fetch_add(&e->posts, 1);
-	if (!e->spin_max_ns || atomic_load(&e->sleeping)) {
+	su = e->spin_max_ns ? atomic_load(&e->sleep_until) : 1;
+	if (!e->spin_max_ns || (su && (more || deadline < su))) {
 		(void)!write(e->wake_fd, &one, sizeof(one));
 		atomic_fetch_add_explicit(&e->post_wakeups, 1, memory_order_relaxed);
 	}
@@ -1810,7 +1829,7 @@ static int spin_found(struct mrc_eng *e, unsigned posts_seen, uint64_t next, int
  * frames received and sent; *now, the time it used; *next lowered to the nearest timer;
  * *blocked set if a QP waits for TX frames.  The progress thread runs it, and so does a
  * caller spinning in mrc_eng_cq_wait when the RX ring has frames. */
-static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int *blocked)
+static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int *blocked, int *more)
 {
 	int work, rx;
 	uint64_t now;
@@ -1825,6 +1844,8 @@ static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int 
 		qp_timers(e, q, now, next, rx == RX_BATCH);
 	for (q = e->qps; q; q = q->next) {
 		work += qp_tx(e, q, now);
+		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail))
+			*more = 1;
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free)
 			*blocked = 1;
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
@@ -1840,8 +1861,8 @@ static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int 
 
 int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t spin_us)
 {
-	uint64_t end, now, next;
-	int n = mrc_eng_poll(e, wc, max), blocked;
+	uint64_t end, now, next, one = 1;
+	int n = mrc_eng_poll(e, wc, max), blocked, more;
 
 	if (n || !spin_us)
 		return n;
@@ -1854,11 +1875,20 @@ int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t 
 		if (__atomic_load_n(e->rx.producer, __ATOMIC_ACQUIRE) !=
 		    __atomic_load_n(e->rx.consumer, __ATOMIC_RELAXED) &&
 		    !pthread_mutex_trylock(&e->mu)) {
+			uint64_t su;
+
 			next = UINT64_MAX;
-			blocked = 0;
+			blocked = more = 0;
 			e->st.caller_rx++;
-			progress_once(e, &now, &next, &blocked);
+			progress_once(e, &now, &next, &blocked, &more);
 			pthread_mutex_unlock(&e->mu);
+			/* the thread sleeps past a timer this round set (a delayed SACK, an RTO),
+			 * or packets are left to send: wake it */
+			su = atomic_load(&e->sleep_until);
+			if (su && (more || next < su)) {
+				(void)!write(e->wake_fd, &one, sizeof(one));
+				atomic_fetch_add_explicit(&e->caller_wakeups, 1, memory_order_relaxed);
+			}
 			continue;
 		}
 		if (now_ns() >= end)
@@ -1895,11 +1925,11 @@ static void *progress(void *arg)
 	pfd[1].events = POLLIN;
 	while (!atomic_load(&e->stop)) {
 		uint64_t now, next = UINT64_MAX, v;
-		int work = 0, blocked = 0;
+		int work = 0, blocked = 0, more = 0;
 		unsigned posts = atomic_load(&e->posts);
 
 		pthread_mutex_lock(&e->mu);
-		work = progress_once(e, &now, &next, &blocked);
+		work = progress_once(e, &now, &next, &blocked, &more);
 		pthread_mutex_unlock(&e->mu);
 		if (e->spin_max_ns) {
 			int event = work || posts != posts_seen;
@@ -1913,7 +1943,7 @@ static void *progress(void *arg)
 						e->spin_cur_ns = e->spin_cur_ns / 2 < 1000 ? 0 : e->spin_cur_ns / 2;
 					missed_at = 0;
 				}
-				last_work = now;
+				last_work = e->active_ns = now;
 			}
 			if (work)
 				continue;
@@ -1966,16 +1996,28 @@ static void *progress(void *arg)
 			}
 			pfd[0].events = POLLIN;
 			e->st.sleeps++;
-			atomic_store(&e->sleeping, 1);
-			/* a post between this iteration's read of the count and the store above
-			 * wrote no eventfd: look again */
-			if (e->spin_max_ns && atomic_load(&e->posts) != posts_seen) {
-				atomic_store(&e->sleeping, 0);
-				continue;
+			if (e->spin_max_ns) {
+				uint64_t cap = (uint64_t)e->o.rto_min_us * 1000;
+
+				/* active in the last second: sleep at most rto_min_us, so that a
+				 * post's RTO (at least rto_min_us away) never needs a wake-up */
+				if (now - e->active_ns < 1000000000ull && (!tsp || next > now + cap)) {
+					next = now + cap;
+					ts.tv_sec = cap / 1000000000ull;
+					ts.tv_nsec = cap % 1000000000ull;
+					tsp = &ts;
+				}
+				atomic_store(&e->sleep_until, tsp ? (next > now ? next : now) : UINT64_MAX);
+				/* a post between this iteration's read of the count and the store
+				 * above may have woken nobody: look again */
+				if (atomic_load(&e->posts) != posts_seen) {
+					atomic_store(&e->sleep_until, 0);
+					continue;
+				}
 			}
 			if (ppoll(pfd, 2, tsp, NULL) > 0 && (pfd[1].revents & POLLIN))
 				(void)!read(e->wake_fd, &v, sizeof(v));
-			atomic_store(&e->sleeping, 0);
+			atomic_store(&e->sleep_until, 0);
 		}
 	}
 	return NULL;

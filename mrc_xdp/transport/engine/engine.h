@@ -145,6 +145,8 @@ struct mrc_eng_stats {
 	uint64_t post_wakeups;      /* posts that had to wake the sleeping thread (eventfd) */
 	uint64_t caller_rx;         /* progress rounds run by a caller spinning in mrc_eng_cq_wait
 	                             * (frames it received itself, no hand-off) */
+	uint64_t caller_wakeups;    /* ... after which the sleeping thread had to be woken (a
+	                             * timer before its wake-up, or packets left to send) */
 };
 
 struct mrc_qp_stats {
