@@ -803,7 +803,7 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 	pthread_mutex_unlock(&e->mu);
 	/* With spin the thread is woken only when it must be: it sleeps (sleep_until != 0)
 	 * and this post left packets it must send, or armed an RTO before its wake-up (a
-	 * thread that had work in the last second sleeps at most rto_min_us at a time, so a
+	 * thread that had work in the last 100 ms sleeps at most rto_min_us at a time, so a
 	 * ping-pong's posts wake nobody).  An awake thread sees the new post count: it stores
 	 * sleep_until, then reads posts once more before ppoll, and this side adds to posts,
 	 * then reads sleep_until, so one of the two sees the other's store.  Without spin the
@@ -1999,9 +1999,10 @@ static void *progress(void *arg)
 			if (e->spin_max_ns) {
 				uint64_t cap = (uint64_t)e->o.rto_min_us * 1000;
 
-				/* active in the last second: sleep at most rto_min_us, so that a
-				 * post's RTO (at least rto_min_us away) never needs a wake-up */
-				if (now - e->active_ns < 1000000000ull && (!tsp || next > now + cap)) {
+				/* active in the last 100 ms: sleep at most rto_min_us, so that a
+				 * post's RTO (at least rto_min_us away) needs no wake-up (idle after
+				 * traffic: at most 100 ms of such wake-ups, then no timeout) */
+				if (now - e->active_ns < 100000000ull && (!tsp || next > now + cap)) {
 					next = now + cap;
 					ts.tv_sec = cap / 1000000000ull;
 					ts.tv_nsec = cap % 1000000000ull;
