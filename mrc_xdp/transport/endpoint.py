@@ -361,6 +361,9 @@ class CQ:
         spin_us: first spin that long for one in C (the GIL released, no syscall, and the
         engine writes no eventfd meanwhile), then sleep on the eventfd: for a caller
         whose next completion is microseconds away (a round trip), one wake-up less."""
+        if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= SPIN_MAX_US:
+            raise TransportError("wait_blocking: spin_us %r: microseconds to spin for a completion, "
+                                 "0 (off) .. %d" % (spin_us, SPIN_MAX_US))
         deadline = None if timeout is None else time.monotonic() + timeout
         if spin_us > 0 and self._ep._e is not None:
             _, lib = _engine()
