@@ -61,10 +61,11 @@ def test_write_lat(pair):
     assert c["iterations"] == 300 and c["bytes"] == 8 and s["iterations"] == 300
     assert 0 < c["t_min_us"] <= c["p50_us"] <= c["p99_us"] <= c["p999_us"] <= c["t_max_us"]
     assert 0 < c["rtt_p50_us"] <= c["rtt_p99_us"] <= c["rtt_p999_us"]
-    assert c["spin_us"] == 50 and c["engine"]["spin_ns"] > 0        # the engine's default spin ran
+    assert c["spin_us"] == 50 and c["cq_spin_us"] == 50          # the defaults
+    assert c["engine"]["spin_ns"] + c["engine"]["caller_rx"] > 0     # the engine or the caller spun
 
 
-@pytest.mark.parametrize("spins", [["--spin-us", "0"], ["--spin-us", "0", "--cq-spin-us", "100"]])
+@pytest.mark.parametrize("spins", [["--spin-us", "0", "--cq-spin-us", "0"], ["--spin-us", "0", "--cq-spin-us", "100"]])
 def test_write_lat_spins(pair, spins):
     """--spin-us 0: the engines never spin (the loop as it was); --cq-spin-us: the callers
     spin for their completions (and may receive frames themselves): the same results."""
@@ -72,7 +73,9 @@ def test_write_lat_spins(pair, spins):
     assert c["iterations"] == 200 and c["p50_us"] <= c["p99_us"] <= c["p999_us"]
     for e in (c["engine"], s["server_engine"]):
         assert (e["spin_hits"], e["spin_misses"], e["spin_ns"]) == (0, 0, 0), e
-    assert c["spin_us"] == 0 and c["cq_spin_us"] == (100 if "--cq-spin-us" in spins else 0)
+    assert c["spin_us"] == 0 and c["cq_spin_us"] == int(spins[-1])
+    if spins[-1] == "0":            # nobody spins: every completion went through the eventfd
+        assert c["engine"]["caller_rx"] == 0 and s["server_engine"]["caller_rx"] == 0
 
 
 def test_write_lat_table_has_p999(pair):

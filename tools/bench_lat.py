@@ -142,10 +142,12 @@ def main(argv=None) -> int:
                 m["engine"].append(r.get("engine", {}))
                 e = r.get("engine", {})
                 print("rep %d  MRC spin %4d:%-4d p50 %7.1f  p99 %7.1f  p99.9 %7.1f us   load %s   client engine: "
-                      "spin hits %d misses %d yields %d, sleeps %d, post wake-ups %d, caller rx %d" % (
+                      "spin hits %d misses %d yields %d preempted %d, sleeps %d, post wake-ups %d, caller rx %d "
+                      "(preempted %d)" % (
                           rep + 1, sp, cq, r["rtt_p50_us"], r["rtt_p99_us"], r["rtt_p999_us"], load(),
                           e.get("spin_hits", 0), e.get("spin_misses", 0), e.get("spin_yields", 0),
-                          e.get("sleeps", 0), e.get("post_wakeups", 0), e.get("caller_rx", 0)), flush=True)
+                          e.get("spin_preempted", 0), e.get("sleeps", 0), e.get("post_wakeups", 0),
+                          e.get("caller_rx", 0), e.get("caller_preempted", 0)), flush=True)
         if args.idle_seconds > 0:
             for sp in sorted({c[0] for c in configs}):
                 d = idle_cpu(pr, sp, args.idle_seconds)

@@ -29,8 +29,12 @@ CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
 # the engine counters write-lat reports (each side's): how the round trips were waited for
 ENGINE_LAT_STATS = ("loops", "sleeps", "spin_hits", "spin_misses", "spin_ns", "spin_limit_ns", "post_wakeups",
-                    "caller_rx", "caller_wakeups", "spin_yields")
-CQ_SPIN_DEFAULT_US = 0    # write-lat: the caller's spin for each completion (--cq-spin-us)
+                    "caller_rx", "caller_wakeups", "caller_preempted", "spin_yields",
+                    "spin_preempted")
+# write-lat: the caller's spin for each completion (--cq-spin-us), receiving frames itself
+# (measured, bench_lat at load 3.3-3.6: round trip p50 21-24 us with it and the engine's
+# spin, 60-119 us with neither, 100-132 with the engine's spin alone)
+CQ_SPIN_DEFAULT_US = 50
 
 
 class PerfError(RuntimeError):
@@ -313,9 +317,11 @@ def _lat_loop(s, remote, size, iters, client: bool, timeout: float, cq_spin_us: 
 
     def wait_recv():
         while True:
-            # a Python busy poll (ib_write_lat spins on its CQ) starved the engines' progress
-            # threads on a shared 2-core host (measured: round trip p50 88 -> 486 us with a
-            # 200 us spin); cq_spin_us spins in C, GIL released, bounded (docs/transport.md)
+            # ib_write_lat spins on its CQ; a Python busy poll here starved the engines'
+            # progress threads on a shared 2-core host (measured: round trip p50 88 -> 486 us
+            # with a 200 us spin).  cq_spin_us spins in C (GIL released, bounded, given up
+            # when descheduled) and receives the frames itself, so nothing waits for the
+            # progress thread (docs/transport.md, "Latency path")
             for c in ep.cq.wait_blocking(timeout=timeout, max_n=16, spin_us=cq_spin_us) or [None]:
                 if c is None:
                     raise PerfError("write-lat: no message from the peer for %.0f s" % timeout)

@@ -140,6 +140,8 @@ struct mrc_eng_stats {
 	                             * timer) before their limit: a ppoll sleep and wake-up saved */
 	uint64_t spin_misses;       /* spins that ran out: the thread then slept */
 	uint64_t spin_yields;       /* spins given up because a caller spins in mrc_eng_cq_wait */
+	uint64_t spin_preempted;    /* spins cut short because the thread was descheduled mid-spin
+	                             * (CPUs oversubscribed): the limit then drops to 0 for 10 ms */
 	uint64_t spin_ns;           /* time spent spinning, in all */
 	uint64_t spin_limit_ns;     /* the adaptive spin limit now (0..spin_us) */
 	uint64_t post_wakeups;      /* posts that had to wake the sleeping thread (eventfd) */
@@ -147,6 +149,7 @@ struct mrc_eng_stats {
 	                             * (frames it received itself, no hand-off) */
 	uint64_t caller_wakeups;    /* ... after which the sleeping thread had to be woken (a
 	                             * timer before its wake-up, or packets left to send) */
+	uint64_t caller_preempted;  /* caller spins cut short: descheduled mid-spin */
 };
 
 struct mrc_qp_stats {
