@@ -375,7 +375,8 @@ struct mrc_eng {
 	atomic_uint cq_pending;      /* cq_len, readable without cq_mu (a spinning caller) */
 	atomic_int cq_spinners;      /* callers spinning in mrc_eng_cq_wait: no eventfd write */
 	/* spin (progress()) */
-	atomic_uint posts;           /* post_write count: the thread's spin sees new work */
+	atomic_uint posts;           /* posts and callers' progress rounds: the thread sees
+	                              * work done or queued outside it */
 	_Atomic uint64_t sleep_until; /* 0: the thread is awake; else it is in (or about to
 	                              * enter) ppoll until then (UINT64_MAX: no timeout) */
 	uint64_t active_ns;          /* the thread's last work (its own clock) */
@@ -460,7 +461,6 @@ static inline void cpu_relax(void)
 	__asm__ __volatile__("yield");
 #endif
 }
-
 
 int mrc_eng_cq_fd(struct mrc_eng *e) { return e->cq_fd; }
 
@@ -786,8 +786,8 @@ int mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_t
 	q->st.wr_posted++;
 	/* transmit what the window allows now, in the caller's thread: the packet leaves
 	 * without waiting for the progress thread to wake (one scheduling delay less on the
-	 * latency path); the thread is still woken, off that path, to arm the RTO and send
-	 * the rest */
+	 * latency path); the thread is woken, off that path, to arm the RTO and send the
+	 * rest (with spin, only when it must be: below) */
 	now = now_ns();
 	tx_complete(e);
 	qp_tx(e, q, now);
@@ -1895,7 +1895,10 @@ int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t 
 			progress_once(e, &now, &next, &blocked, &more);
 			pthread_mutex_unlock(&e->mu);
 			/* the thread sleeps past a timer this round set (a delayed SACK, an RTO),
-			 * or packets are left to send: wake it */
+			 * or packets are left to send: wake it.  The round counts as a post: a
+			 * thread about to sleep on a deadline it computed before this round looks
+			 * again (the same two-sided check as post_write's) */
+			atomic_fetch_add(&e->posts, 1);
 			su = atomic_load(&e->sleep_until);
 			if (su && (more || next < su)) {
 				(void)!write(e->wake_fd, &one, sizeof(one));
