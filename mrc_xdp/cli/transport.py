@@ -80,10 +80,11 @@ def cmd_write_bw(args):
     if args.peer:
         res = write_bw_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
                               duration=args.duration, qps=args.qps, port=args.port, tx_depth=args.tx_depth,
-                              mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout)
+                              mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout,
+                              spin_us=args.spin_us)
     else:
         res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
-                              accept_timeout=args.accept_timeout, timeout=args.timeout)
+                              accept_timeout=args.accept_timeout, timeout=args.timeout, spin_us=args.spin_us)
     _emit(args, res, _fmt_bw)
 
 
@@ -155,6 +156,9 @@ def add_parsers(sub) -> None:
     p.add_argument("-D", "--duration", type=float, default=None, help="run for S seconds instead of --iters")
     p.add_argument("-q", "--qps", type=int, default=1, help="QPs (writes spread round robin)")
     p.add_argument("-t", "--tx-depth", type=int, default=None, help="outstanding writes per QP")
+    p.add_argument("--spin-us", type=int, default=None, metavar="US",
+                   help="this side's engine: spin up to US microseconds after work before sleeping "
+                        "(adaptive below it; default: the engine's, %d; 0: off)" % transport.endpoint.SPIN_DEFAULT_US)
     _common(p)
     p.set_defaults(fn=_guard(cmd_write_bw))
 

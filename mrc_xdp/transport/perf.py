@@ -220,15 +220,16 @@ def _telling(ch):
 def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int = DEFAULT_SIZE,
                     iters: int | None = None, duration: float | None = None, qps: int = 1,
                     port: int = bs.DEFAULT_PORT, tx_depth: int | None = None, mtu: int | None = None,
-                    progress: bool = False, timeout: float = 30.0) -> dict:
+                    progress: bool = False, timeout: float = 30.0, spin_us: int | None = None) -> dict:
     if size < 1:
         raise PerfError("--size %d: must be at least 1 byte" % size)
+    _check_spins(spin_us, 0)
     if not 1 <= qps <= MAX_QPS:
         raise PerfError("--qps %d: must be 1..%d" % (qps, MAX_QPS))
     if iters is None and duration is None:
         iters = 5000 if size <= 65536 else 1000
     depth = tx_depth or max(1, min(128, MAX_INFLIGHT_BYTES // size // qps))
-    with Session(instance, ns, mtu, "write-bw client") as s:
+    with Session(instance, ns, mtu, "write-bw client", spin_us) as s:
         src = bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size]
         s.mr = s.ep.reg_mr(src)
         s.make_qps(qps)
@@ -278,7 +279,8 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
                "payload": s.ep.payload, "tx_depth": depth,
                "bw_avg_bps": done * size * 8 / el if el > 0 else 0.0,
                "bw_peak_bps": max(windows) if windows else done * size * 8 / max(el, 1e-9),
-               "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st}
+               "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st,
+               "spin_us": s.ep.options()["spin_us"]}
         s.ch.send({"type": "result", "result": res})
         s.ch.barrier("done", timeout)
         return res
@@ -286,11 +288,12 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
 
 def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                     bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                    timeout: float = 30.0, log=None) -> dict:
+                    timeout: float = 30.0, log=None, spin_us: int | None = None) -> dict:
+    _check_spins(spin_us, 0)
     ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-bw", log)
     with _telling(ch):
         size, qps = ch.hello["size"], ch.hello["qps"]
-        with Session(instance, ns, mtu, "write-bw server") as s:
+        with Session(instance, ns, mtu, "write-bw server", spin_us) as s:
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(qps)
             ch.send({"type": "qps", "qps": s.attrs()})
