@@ -128,3 +128,16 @@ def test_cq_spin_validated(pair, bad):
     with transport.Endpoint(pair.ia) as A:
         with pytest.raises(transport.TransportError, match="spin_us"):
             A.cq.wait_blocking(timeout=0.01, spin_us=bad)
+
+
+def test_cq_spin_backs_off_when_empty(pair):
+    """A caller's spin that comes back empty makes the next waits skip theirs (1, then 3,
+    7, ... 63): a caller whose completions are far away stops paying for spins."""
+    with transport.Endpoint(pair.ia) as A:
+        assert A.cq.wait_blocking(timeout=0.005, spin_us=100) == []     # spins, empty
+        assert A.stats()["caller_skipped"] == 0
+        assert A.cq.wait_blocking(timeout=0.005, spin_us=100) == []     # skips
+        assert A.stats()["caller_skipped"] == 1
+        for _ in range(4):                                              # spins, then skips 3
+            A.cq.wait_blocking(timeout=0.001, spin_us=100)
+        assert A.stats()["caller_skipped"] == 4

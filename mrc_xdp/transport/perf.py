@@ -29,7 +29,7 @@ CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
 # the engine counters write-lat reports (each side's): how the round trips were waited for
 ENGINE_LAT_STATS = ("loops", "sleeps", "spin_hits", "spin_misses", "spin_ns", "spin_limit_ns", "post_wakeups",
-                    "caller_rx", "caller_wakeups", "caller_preempted", "spin_yields",
+                    "caller_rx", "caller_wakeups", "caller_preempted", "caller_skipped", "spin_yields",
                     "spin_preempted")
 # write-lat: the caller's spin for each completion (--cq-spin-us), receiving frames itself
 # (measured, bench_lat at load 3.3-3.6: round trip p50 21-24 us with it and the engine's

@@ -374,6 +374,8 @@ struct mrc_eng {
 	int cq_fd_set;               /* the eventfd holds a count (under cq_mu) */
 	atomic_uint cq_pending;      /* cq_len, readable without cq_mu (a spinning caller) */
 	atomic_int cq_spinners;      /* callers spinning in mrc_eng_cq_wait: no eventfd write */
+	atomic_uint cq_skip, cq_skip_left;   /* callers' spins to skip after empty ones */
+	atomic_ulong caller_skipped;
 	/* spin (progress()) */
 	atomic_uint posts;           /* posts and callers' progress rounds: the thread sees
 	                              * work done or queued outside it */
@@ -726,6 +728,7 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 	out->post_wakeups = atomic_load_explicit(&e->post_wakeups, memory_order_relaxed);
 	out->caller_wakeups = atomic_load_explicit(&e->caller_wakeups, memory_order_relaxed);
 	out->caller_preempted = atomic_load_explicit(&e->caller_preempted, memory_order_relaxed);
+	out->caller_skipped = atomic_load_explicit(&e->caller_skipped, memory_order_relaxed);
 	pthread_mutex_unlock(&e->mu);
 }
 
@@ -1877,6 +1880,12 @@ int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t 
 
 	if (n || !spin_us)
 		return n;
+	if (atomic_load_explicit(&e->cq_skip_left, memory_order_relaxed)) {
+		/* recent spins came back empty: this wait sleeps on the eventfd at once */
+		atomic_fetch_sub_explicit(&e->cq_skip_left, 1, memory_order_relaxed);
+		atomic_fetch_add_explicit(&e->caller_skipped, 1, memory_order_relaxed);
+		return 0;
+	}
 	atomic_fetch_add(&e->cq_spinners, 1);
 	prev = now_ns();
 	end = prev + (uint64_t)spin_us * 1000;
@@ -1920,7 +1929,23 @@ int mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t 
 	atomic_fetch_sub(&e->cq_spinners, 1);
 	/* a completion pushed while this caller spun wrote no eventfd: take it now (the
 	 * caller sleeps on the eventfd only after a poll that found none) */
-	return mrc_eng_poll(e, wc, max);
+	n = mrc_eng_poll(e, wc, max);
+	/* a spin that came back empty (ran out, or was descheduled) makes the next 1, 3, 7
+	 * ... 63 waits skip theirs; one that got its completion spins again next time.  On
+	 * the 2-core VM a caller that shares its CPU with the thread it waits for (the
+	 * peer's, through the other side's datapath) only delays it by spinning (measured:
+	 * both ends pinned to one CPU, round trip p50 187 us with spins against 50 without;
+	 * on two CPUs 19.5 against 85-129) */
+	if (n) {
+		atomic_store_explicit(&e->cq_skip, 0, memory_order_relaxed);
+	} else {
+		unsigned k = atomic_load_explicit(&e->cq_skip, memory_order_relaxed) * 2 + 1;
+
+		k = k > 63 ? 63 : k;
+		atomic_store_explicit(&e->cq_skip, k, memory_order_relaxed);
+		atomic_store_explicit(&e->cq_skip_left, k, memory_order_relaxed);
+	}
+	return n;
 }
 
 static void spin_grow(struct mrc_eng *e, uint64_t to)

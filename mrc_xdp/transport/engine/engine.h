@@ -150,6 +150,8 @@ struct mrc_eng_stats {
 	uint64_t caller_wakeups;    /* ... after which the sleeping thread had to be woken (a
 	                             * timer before its wake-up, or packets left to send) */
 	uint64_t caller_preempted;  /* caller spins cut short: descheduled mid-spin */
+	uint64_t caller_skipped;    /* caller waits that did not spin: the spins before them came
+	                             * back empty (1, 3, 7 .. 63 waits skip after each empty one) */
 };
 
 struct mrc_qp_stats {
