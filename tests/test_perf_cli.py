@@ -59,7 +59,46 @@ def test_write_bw(pair):
 def test_write_lat(pair):
     c, s = run_pair(pair, ["write-lat"], ["write-lat", B_CTL, "--size", "8", "--iters", "300"])
     assert c["iterations"] == 300 and c["bytes"] == 8 and s["iterations"] == 300
-    assert 0 < c["t_min_us"] <= c["p50_us"] <= c["p99_us"] <= c["t_max_us"]
+    assert 0 < c["t_min_us"] <= c["p50_us"] <= c["p99_us"] <= c["p999_us"] <= c["t_max_us"]
+    assert 0 < c["rtt_p50_us"] <= c["rtt_p99_us"] <= c["rtt_p999_us"]
+    assert c["spin_us"] == 50 and c["cq_spin_us"] == 50          # the defaults
+    assert c["engine"]["spin_ns"] + c["engine"]["caller_rx"] > 0     # the engine or the caller spun
+
+
+@pytest.mark.parametrize("spins", [["--spin-us", "0", "--cq-spin-us", "0"], ["--spin-us", "0", "--cq-spin-us", "100"]])
+def test_write_lat_spins(pair, spins):
+    """--spin-us 0: the engines never spin (the loop as it was); --cq-spin-us: the callers
+    spin for their completions (and may receive frames themselves): the same results."""
+    c, s = run_pair(pair, ["write-lat"] + spins, ["write-lat", B_CTL, "--size", "8", "--iters", "200"] + spins)
+    assert c["iterations"] == 200 and c["p50_us"] <= c["p99_us"] <= c["p999_us"]
+    for e in (c["engine"], s["server_engine"]):
+        assert (e["spin_hits"], e["spin_misses"], e["spin_ns"]) == (0, 0, 0), e
+    assert c["spin_us"] == 0 and c["cq_spin_us"] == int(spins[-1])
+    if spins[-1] == "0":            # nobody spins: every completion went through the eventfd
+        assert c["engine"]["caller_rx"] == 0 and s["server_engine"]["caller_rx"] == 0
+
+
+def test_write_lat_table_has_p999(pair):
+    port = str(19000 + (os.getpid() + 77) % 2000)
+    srv = subprocess.Popen(CLI + ["write-lat", "-i", pair["b"], "--bind", B_CTL, "--port", port],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cl = subprocess.run(CLI + ["write-lat", B_CTL, "-i", pair["a"], "--port", port, "--iters", "50"],
+                            capture_output=True, text=True, timeout=120)
+        srv.communicate(timeout=30)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    assert cl.returncode == 0, cl.stderr
+    assert "t_p99.9[usec]" in cl.stdout and "p99.9" in cl.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag", ["--spin-us", "--cq-spin-us"])
+def test_write_lat_bad_spin_one_line(pair, flag):
+    r = subprocess.run(CLI + ["write-lat", B_CTL, "-i", pair["a"], flag, "20000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "0 (off) .. 10000" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("size", [0, 1, 3 * 1024 * 1024 + 13])

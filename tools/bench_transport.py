@@ -2,16 +2,22 @@
 """The transport engine against the kernel's own transports, in one run, on one machine.
 
     sudo .venv/bin/python tools/bench_transport.py [--part a|b|all] [--reps 3] [--seconds 4]
-                                                  [--rate 100mbit] [--mtu 1500] [--json]
+                                                  [--rate 100mbit] [--payloads 1408,3392]
+                                                  [--mtu M] [--json]
                                                   [--mrc-only] [--mrc-runs N] [--shape no]
                                                   [--lab-mtu 3000]
 
 (a) Live pair: two namespaces, two planes (veths p0, p1), no switches, the datapath
-    loaded on both.  One MRC QP (`mrc-xdp write-bw`, payload = the engine's default for
-    the mrc0 MTU) vs one iperf3 UDP flow (-b 0, the same payload size) vs one iperf3 TCP
-    flow, on the same plane veths, interleaved, --reps repetitions; then 8-byte
-    `mrc-xdp write-lat` p50/p99 vs a TCP request/response of 8 bytes (Python, both ends,
-    as the MRC side is driven from Python too).
+    loaded on both, and a third veth pair n0 with no XDP program.  For each MRC payload
+    of --payloads (default 1408 and 3392, on pairs at MTU 1500 and 3506; see
+    POINT_MTUS for larger ones): one MRC QP (`mrc-xdp write-bw --mtu PAYLOAD`) vs one
+    iperf3 UDP flow (-b 0, the same payload size) vs one iperf3 TCP flow over the same
+    plane veth (XDP attached: the kernel turns the peer's TSO off) vs one iperf3 TCP
+    flow over the plain veth n0 (what a user without mrc-xdp runs), interleaved, --reps
+    repetitions, each with goodput and CPU s/GB, and the ratios MRC / UDP, MRC / TCP,
+    MRC / TCP-noXDP; then 8-byte `mrc-xdp write-lat` p50/p99/p99.9 vs a TCP
+    request/response of 8 bytes (Python, both ends, as the MRC side is driven from
+    Python too), at the first payload's MTU.
 (b) The default lab in ecmp mode with link rates set through the link model: T0-T1
     links at --rate, host links at twice that, so the T0-T1 links are the bottleneck and
     the host-to-host fabric capacity h0 -> h2 is 2 planes x 2 T1s x rate.  One MRC QP vs
@@ -203,15 +209,18 @@ def tcp_rr(server_ns, client_ns, dst, iters=3000, size=8):
     t.join(10)
     ls.close()
     lat.sort()
-    return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)], "iters": iters}
+    return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)],
+            "p999_us": lat[min(len(lat) - 1, int(len(lat) * 0.999))], "iters": iters}
 
 
 # ------------------------------------------------------------------ MRC through the CLI
 
 def engine_available() -> str | None:
     try:
-        from mrc_xdp import transport
-        transport._engine()
+        # endpoint._engine: the package's own `_engine` attribute is the compiled module
+        # once imported (not before), not this function
+        from mrc_xdp.transport import endpoint
+        endpoint._engine()
         return None
     except Exception as e:     # reported as a line of the output
         return str(e).splitlines()[0]
@@ -239,13 +248,19 @@ def mrc_perf(kind, server, client, peer_addr, port, extra=(), timeout=180):
 # ------------------------------------------------------------------ (a) live pair
 
 class Pair:
+    """Namespaces A and B, each with mrc0/mrc0p and the datapath loaded (ecmp), joined by
+    plane veths p0 and p1 (XDP attached by the datapath: the kernel turns the peer's TSO
+    off) and, with plain=True, by a third veth pair n0 that has no XDP program at all: the
+    path a user without mrc-xdp would run TCP over (addresses A_N0, B_N0)."""
     A_ADDR, B_ADDR = "fd00:79::a", "fd00:79::b"
     A_P0, B_P0 = "fd00:79:1::a", "fd00:79:1::b"
+    A_N0, B_N0 = "fd00:79:2::a", "fd00:79:2::b"
 
-    def __init__(self, mtu: int):
+    def __init__(self, mtu: int, plain: bool = False):
         self.a, self.b = "btA-" + TAG, "btB-" + TAG
         self.ia, self.ib = "btA-" + TAG, "btB-" + TAG
         self.mtu = mtu
+        self.plain = plain
         self.made = []
 
     def up(self):
@@ -263,6 +278,12 @@ class Pair:
                 ip(n, "link", "set", d, "up")
         ip(self.a, "addr", "add", self.A_P0 + "/64", "dev", "p0", "nodad")
         ip(self.b, "addr", "add", self.B_P0 + "/64", "dev", "p0", "nodad")
+        if self.plain:
+            ip(self.a, "link", "add", "n0", "mtu", str(self.mtu), "type", "veth", "peer", "name", "n0",
+               "netns", self.b, "mtu", str(self.mtu))
+            for n, addr in ((self.a, self.A_N0), (self.b, self.B_N0)):
+                ip(n, "link", "set", "n0", "up")
+                ip(n, "addr", "add", addr + "/64", "dev", "n0", "nodad")
 
         def mac(ns, dev):
             return json.loads(ip(ns, "-j", "link", "show", dev))[0]["address"]
@@ -289,47 +310,100 @@ class Pair:
                 netns.delete(n)
 
 
-def part_a(args, out):
-    pr = Pair(args.mtu)
+# Payload points of part (a): each runs on its own pair whose veths have the MTU the
+# payload needs.  MTUs a veth takes with the datapath's (single-buffer) XDP programs end at
+# 3506 on x86-64; larger payloads (4096, the InfiniBand size, and beyond) need programs
+# loaded with frags support and a bigger MTU: a point whose pair cannot be set up is
+# reported as not measured, with the reason, and the rest of the run goes on.
+POINT_MTUS = (1500, 3506, 4184, 9000, 16000, 65000)
+
+
+def point_mtu(payload: int) -> int:
+    """The MTU of part (a)'s pair for an MRC payload: the smallest of POINT_MTUS whose
+    default payload (mrc_xdp.transport.default_payload) is at least it."""
+    from mrc_xdp.transport import default_payload
+    for m in POINT_MTUS:
+        if default_payload(m) >= payload:
+            return m
+    raise ValueError("payload %d: larger than any MTU part (a) knows (%d)" % (payload, POINT_MTUS[-1]))
+
+
+def per_gb(cpu_s, bps, seconds):
+    return cpu_s / max(bps * seconds / 8 / 1e9, 1e-9)
+
+
+def part_a_point(args, payload, mtu, no_engine):
+    """One payload point: MRC (write-bw at this payload), iperf3 UDP (-l payload), iperf3
+    TCP over the XDP plane veth, iperf3 TCP over the plain veth (no XDP), interleaved,
+    --reps times; goodput and CPU s/GB of each; the ratios."""
+    pr = Pair(mtu, plain=True)
+    rows = {"mrc": [], "udp": [], "tcp": [], "tcp_noxdp": []}
+    cpu = {k: [] for k in rows}
     try:
         pr.up()
-        from mrc_xdp.transport import default_payload
-        payload = default_payload(args.mtu)
-        log("(a) live pair: MTU %d on every veth, MRC payload %d B, UDP payload %d B, %d x %d s"
-            % (args.mtu, payload, payload, args.reps, args.seconds))
-        no_engine = engine_available()
-        rows = {"mrc": [], "udp": [], "tcp": []}
-        cpu = {"mrc": [], "udp": [], "tcp": []}
+        log("(a) live pair MTU %d: MRC payload %d B, UDP payload %d B, TCP over the XDP veth and over a "
+            "plain veth, %d x %d s, load %s" % (mtu, payload, payload, args.reps, args.seconds,
+                                                open("/proc/loadavg").read().split()[0]))
         for rep in range(args.reps):
             if no_engine is None:
                 r, c = cpu_of(lambda: mrc_perf("write-bw", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18515 + rep,
-                                               ["--duration", str(args.seconds), "--size", str(args.msg_size)]))
+                                               ["--duration", str(args.seconds), "--size", str(args.msg_size),
+                                                "--mtu", str(payload)]))
                 rows["mrc"].append(r["bw_avg_bps"])
                 cpu["mrc"].append(c / (r["bytes"] * r["iterations"] / 1e9))
-                log("  rep %d  MRC  %s  (%.2f CPU s/GB)" % (rep + 1, mbps(r["bw_avg_bps"]), cpu["mrc"][-1]))
+                log("  rep %d  MRC        %s  (%.2f CPU s/GB)" % (rep + 1, mbps(r["bw_avg_bps"]), cpu["mrc"][-1]))
             (bps, info), c = cpu_of(lambda: iperf3(pr.b, pr.a, pr.B_P0, args.seconds, udp_len=payload))
             rows["udp"].append(bps)
-            cpu["udp"].append(c / max(bps * args.seconds / 8 / 1e9, 1e-9))
-            log("  rep %d  UDP  %s (lost %.1f%%)  (%.2f CPU s/GB)" % (rep + 1, mbps(bps), info["lost_percent"], cpu["udp"][-1]))
-            (bps, info), c = cpu_of(lambda: iperf3(pr.b, pr.a, pr.B_P0, args.seconds))
-            rows["tcp"].append(bps)
-            cpu["tcp"].append(c / max(bps * args.seconds / 8 / 1e9, 1e-9))
-            log("  rep %d  TCP  %s (retransmits %s)  (%.2f CPU s/GB)" % (rep + 1, mbps(bps), info["retransmits"], cpu["tcp"][-1]))
-        res = {k: {"runs": v, "median": statistics.median(v), "cpu_s_per_gb": statistics.median(cpu[k])}
-               for k, v in rows.items() if v}
+            cpu["udp"].append(per_gb(c, bps, args.seconds))
+            log("  rep %d  UDP        %s (lost %.1f%%)  (%.2f CPU s/GB)" % (rep + 1, mbps(bps), info["lost_percent"],
+                                                                         cpu["udp"][-1]))
+            for k, dst, what in (("tcp", pr.B_P0, "TCP"), ("tcp_noxdp", pr.B_N0, "TCP-noXDP")):
+                (bps, info), c = cpu_of(lambda: iperf3(pr.b, pr.a, dst, args.seconds))
+                rows[k].append(bps)
+                cpu[k].append(per_gb(c, bps, args.seconds))
+                log("  rep %d  %-10s %s (retransmits %s)  (%.2f CPU s/GB)" % (rep + 1, what, mbps(bps),
+                                                                            info["retransmits"], cpu[k][-1]))
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+        log("  MTU %d: not measured: %s" % (mtu, str(e)[-300:]))
+        return {"mtu": mtu, "payload": payload, "error": str(e)[-300:]}
+    finally:
+        pr.down()
+    res = {k: {"runs": v, "median": statistics.median(v), "cpu_s_per_gb": statistics.median(cpu[k])}
+           for k, v in rows.items() if v}
+    if no_engine is not None:
+        res["mrc"] = {"skipped": no_engine}
+    elif res["mrc"]["median"]:
+        res["ratios"] = {"MRC / UDP": res["mrc"]["median"] / res["udp"]["median"],
+                         "MRC / TCP": res["mrc"]["median"] / res["tcp"]["median"],
+                         "MRC / TCP-noXDP": res["mrc"]["median"] / res["tcp_noxdp"]["median"]}
+    res.update(mtu=mtu, payload=payload)
+    return res
+
+
+def part_a(args, out):
+    no_engine = engine_available()
+    if args.mtu:
+        from mrc_xdp.transport import default_payload
+        points = [(default_payload(args.mtu), args.mtu)]
+    else:
+        points = [(p, point_mtu(p)) for p in args.payloads]
+    res = {"points": [part_a_point(args, p, m, no_engine) for p, m in points]}
+    # 8-byte latency on a pair at the first point's MTU
+    pr = Pair(points[0][1])
+    try:
+        pr.up()
         res["tcp_rr_8B"] = tcp_rr(pr.b, pr.a, pr.B_P0)
-        log("  TCP 8-byte request/response: p50 %.1f us, p99 %.1f us" % (
-            res["tcp_rr_8B"]["p50_us"], res["tcp_rr_8B"]["p99_us"]))
+        log("  TCP 8-byte request/response: p50 %.1f us, p99 %.1f us, p99.9 %.1f us" % (
+            res["tcp_rr_8B"]["p50_us"], res["tcp_rr_8B"]["p99_us"], res["tcp_rr_8B"]["p999_us"]))
         if no_engine is None:
             r = mrc_perf("write-lat", (pr.ib, pr.b), (pr.ia, pr.a), pr.B_P0, 18600, ["--size", "8", "--iters", "3000"])
             res["mrc_lat_8B"] = r
-            log("  MRC 8-byte write-lat round trip: p50 %.1f us, p99 %.1f us" % (r["rtt_p50_us"], r["rtt_p99_us"]))
-        else:
-            res["mrc"] = {"skipped": no_engine}
-        res.update(mtu=args.mtu, payload=payload)
-        out["a"] = res
+            log("  MRC 8-byte write-lat round trip: p50 %.1f us, p99 %.1f us, p99.9 %.1f us" % (
+                r["rtt_p50_us"], r["rtt_p99_us"], r["rtt_p999_us"]))
+        res["lat_mtu"] = points[0][1]
     finally:
         pr.down()
+    out["a"] = res
 
 
 # ------------------------------------------------------------------ (b) lab
@@ -500,7 +574,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=4)
     ap.add_argument("--rate", default="100mbit", help="T0-T1 link rate in (b); host links get twice it")
-    ap.add_argument("--mtu", type=int, default=1500, help="MTU of the pair's veths in (a)")
+    ap.add_argument("--payloads", type=lambda v: [int(x) for x in v.split(",")], default=[1408, 3392],
+                    help="(a) MRC payloads, comma-separated (default 1408,3392: MTU 1500 and 3506); each runs "
+                         "on a pair at the MTU it needs (one of %s), UDP at the same payload, TCP at that MTU"
+                         % ", ".join(map(str, POINT_MTUS)))
+    ap.add_argument("--mtu", type=int, default=None,
+                    help="(a) instead of --payloads: one point at this MTU (its default payload)")
     ap.add_argument("--msg-size", type=int, default=1 << 20, help="MRC write size for write-bw")
     ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
     ap.add_argument("--mrc-only", action="store_true", help="(b) only MRC (no kernel baselines)")
@@ -538,23 +617,31 @@ def summary(out):
     a, b = out.get("a"), out.get("b")
     print("== bench_transport (%.0f s)" % out["seconds"])
     if a:
-        print("(a) live pair, MTU %d, payload %d B (medians of %d runs):" % (a["mtu"], a["payload"], len(a["udp"]["runs"])))
-        for k in ("mrc", "udp", "tcp"):
-            if "median" in a.get(k, {}):
-                print("    %-4s %s   runs: %s   %.2f CPU s/GB" % (k.upper(), mbps(a[k]["median"]),
-                                                               ", ".join("%.1f" % (x / 1e6) for x in a[k]["runs"]),
-                                                               a[k]["cpu_s_per_gb"]))
-        if "median" in a.get("mrc", {}):
-            print("    MRC / UDP = %.2fx   MRC / TCP = %.2fx" % (a["mrc"]["median"] / a["udp"]["median"],
-                                                             a["mrc"]["median"] / a["tcp"]["median"]))
-        else:
-            print("    MRC: not measured (%s)" % a.get("mrc", {}).get("skipped"))
+        print("(a) live pair (medians of the runs; CPU s/GB: user + sys of the tools, softirq work on their "
+              "behalf not counted):")
+        for pt in a["points"]:
+            if "error" in pt:
+                print("    payload %d B (MTU %d): not measured: %s" % (pt["payload"], pt["mtu"], pt["error"][-160:]))
+                continue
+            print("    payload %d B (MTU %d):" % (pt["payload"], pt["mtu"]))
+            for k, name in (("mrc", "MRC"), ("udp", "UDP"), ("tcp", "TCP"), ("tcp_noxdp", "TCP-noXDP")):
+                if "median" in pt.get(k, {}):
+                    print("      %-10s %12s   %.2f CPU s/GB   runs: %s" % (
+                        name, mbps(pt[k]["median"]), pt[k]["cpu_s_per_gb"],
+                        ", ".join("%.1f" % (x / 1e6) for x in pt[k]["runs"])))
+            if "ratios" in pt:
+                print("      " + "   ".join("%s = %.2f" % kv for kv in pt["ratios"].items()))
+            else:
+                print("      MRC: not measured (%s)" % pt.get("mrc", {}).get("skipped"))
         rr = a["tcp_rr_8B"]
-        print("    8-byte latency: TCP request/response p50 %.1f us p99 %.1f us" % (rr["p50_us"], rr["p99_us"]))
+        print("    8-byte latency (MTU %d): TCP request/response p50 %.1f us p99 %.1f us p99.9 %.1f us" % (
+            a.get("lat_mtu", 0), rr["p50_us"], rr["p99_us"], rr["p999_us"]))
         if "mrc_lat_8B" in a:
             m = a["mrc_lat_8B"]
-            print("                    MRC write-lat round trip p50 %.1f us p99 %.1f us (%.2fx / %.2fx TCP)" % (
-                m["rtt_p50_us"], m["rtt_p99_us"], m["rtt_p50_us"] / rr["p50_us"], m["rtt_p99_us"] / rr["p99_us"]))
+            print("                             MRC write-lat round trip p50 %.1f us p99 %.1f us p99.9 %.1f us "
+                  "(%.2fx / %.2fx / %.2fx TCP)" % (
+                      m["rtt_p50_us"], m["rtt_p99_us"], m["rtt_p999_us"], m["rtt_p50_us"] / rr["p50_us"],
+                      m["rtt_p99_us"] / rr["p99_us"], m["rtt_p999_us"] / rr["p999_us"]))
     if b:
         for mode in ("ecmp", "srv6"):
             if mode not in b:

@@ -7,7 +7,7 @@ import sys
 
 from mrc_xdp import transport
 from mrc_xdp.transport import bootstrap as bs
-from mrc_xdp.transport.perf import (DEFAULT_SIZE, PerfError, published_qps, recv_file, send_file,
+from mrc_xdp.transport.perf import (CQ_SPIN_DEFAULT_US, DEFAULT_SIZE, PerfError, published_qps, recv_file, send_file,
                                     write_bw_client, write_bw_server, write_lat_client, write_lat_server)
 
 def _fmt_bw(r: dict) -> str:
@@ -29,13 +29,15 @@ def _fmt_lat(r: dict) -> str:
     line = "-" * 86
     return "\n".join([
         line,
-        " %-8s %-12s %-12s %-12s %-12s %-12s %-12s" % ("#bytes", "#iterations", "t_min[usec]", "t_p50[usec]",
-                                                        "t_p99[usec]", "t_max[usec]", "t_avg[usec]"),
-        " %-8d %-12d %-12.2f %-12.2f %-12.2f %-12.2f %-12.2f" % (
-            r["bytes"], r["iterations"], r["t_min_us"], r["p50_us"], r["p99_us"], r["t_max_us"], r["t_avg_us"]),
+        " %-8s %-12s %-12s %-12s %-12s %-13s %-12s %-12s" % (
+            "#bytes", "#iterations", "t_min[usec]", "t_p50[usec]", "t_p99[usec]", "t_p99.9[usec]",
+            "t_max[usec]", "t_avg[usec]"),
+        " %-8d %-12d %-12.2f %-12.2f %-12.2f %-13.2f %-12.2f %-12.2f" % (
+            r["bytes"], r["iterations"], r["t_min_us"], r["p50_us"], r["p99_us"], r["p999_us"], r["t_max_us"],
+            r["t_avg_us"]),
         line,
-        " one-way latency = half the round trip (as ib_write_lat); round trip p50 %.2f us, p99 %.2f us"
-        % (r["rtt_p50_us"], r["rtt_p99_us"])])
+        " one-way latency = half the round trip (as ib_write_lat); round trip p50 %.2f us, p99 %.2f us, "
+        "p99.9 %.2f us" % (r["rtt_p50_us"], r["rtt_p99_us"], r["rtt_p999_us"])])
 
 
 def _emit(args, res, fmt):
@@ -78,10 +80,11 @@ def cmd_write_bw(args):
     if args.peer:
         res = write_bw_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
                               duration=args.duration, qps=args.qps, port=args.port, tx_depth=args.tx_depth,
-                              mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout)
+                              mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout,
+                              spin_us=args.spin_us)
     else:
         res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
-                              accept_timeout=args.accept_timeout, timeout=args.timeout)
+                              accept_timeout=args.accept_timeout, timeout=args.timeout, spin_us=args.spin_us)
     _emit(args, res, _fmt_bw)
 
 
@@ -89,10 +92,12 @@ def cmd_write_lat(args):
     ns = _ns_of(args)
     if args.peer:
         res = write_lat_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
-                               port=args.port, mtu=args.mtu, timeout=args.timeout)
+                               port=args.port, mtu=args.mtu, timeout=args.timeout, spin_us=args.spin_us,
+                               cq_spin_us=args.cq_spin_us)
     else:
         res = write_lat_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
-                               accept_timeout=args.accept_timeout, timeout=args.timeout)
+                               accept_timeout=args.accept_timeout, timeout=args.timeout, spin_us=args.spin_us,
+                               cq_spin_us=args.cq_spin_us)
     _emit(args, res, _fmt_lat)
 
 
@@ -151,13 +156,22 @@ def add_parsers(sub) -> None:
     p.add_argument("-D", "--duration", type=float, default=None, help="run for S seconds instead of --iters")
     p.add_argument("-q", "--qps", type=int, default=1, help="QPs (writes spread round robin)")
     p.add_argument("-t", "--tx-depth", type=int, default=None, help="outstanding writes per QP")
+    p.add_argument("--spin-us", type=int, default=None, metavar="US",
+                   help="this side's engine: spin up to US microseconds after work before sleeping "
+                        "(adaptive below it; default: the engine's, %d; 0: off)" % transport.endpoint.SPIN_DEFAULT_US)
     _common(p)
     p.set_defaults(fn=_guard(cmd_write_bw))
 
-    p = sub.add_parser("write-lat", help="RDMA Write latency (ib_write_lat style): t_min, p50, p99, t_max")
+    p = sub.add_parser("write-lat", help="RDMA Write latency (ib_write_lat style): t_min, p50, p99, p99.9, t_max")
     p.add_argument("peer", nargs="?", metavar="PEER", help="the server's control address (client)")
     p.add_argument("-s", "--size", type=int, default=8, help="bytes per write (8)")
     p.add_argument("-n", "--iters", type=int, default=1000, help="round trips (1000)")
+    p.add_argument("--spin-us", type=int, default=None, metavar="US",
+                   help="this side's engine: spin up to US microseconds after work before sleeping "
+                        "(adaptive below it; default: the engine's, %d; 0: off)" % transport.endpoint.SPIN_DEFAULT_US)
+    p.add_argument("--cq-spin-us", type=int, default=CQ_SPIN_DEFAULT_US, metavar="US",
+                   help="this side's caller: spin up to US microseconds for each completion before "
+                        "sleeping on the CQ's eventfd (default %d; 0: off)" % CQ_SPIN_DEFAULT_US)
     _common(p)
     p.set_defaults(fn=_guard(cmd_write_lat))
 

@@ -342,18 +342,35 @@ class CQ:
         with self._lock:
             while len(out) < max_n and self._ep._e is not None:
                 n = lib.mrc_eng_poll(self._ep._e, self._wc, min(self._max, max_n - len(out)))
-                for i in range(n):
-                    w = self._wc[i]
-                    out.append(Completion(int(w.wr_id), int(w.qpn), WcStatus(w.status),
-                                          WcOpcode(w.opcode), int(w.byte_len),
-                                          int(w.imm) if w.has_imm else None))
+                out += self._take(n)
                 if n < self._max:
                     break
         return out
 
-    def wait_blocking(self, timeout: float | None = None, max_n: int = 64) -> list[Completion]:
-        """Completions, waiting up to timeout seconds for the first one ([] on timeout)."""
+    def _take(self, n: int) -> list[Completion]:
+        out = []
+        for i in range(n):
+            w = self._wc[i]
+            out.append(Completion(int(w.wr_id), int(w.qpn), WcStatus(w.status), WcOpcode(w.opcode),
+                                  int(w.byte_len), int(w.imm) if w.has_imm else None))
+        return out
+
+    def wait_blocking(self, timeout: float | None = None, max_n: int = 64,
+                      spin_us: int = 0) -> list[Completion]:
+        """Completions, waiting up to timeout seconds for the first one ([] on timeout).
+        spin_us: first spin that long for one in C (the GIL released, no syscall, and the
+        engine writes no eventfd meanwhile), then sleep on the eventfd: for a caller
+        whose next completion is microseconds away (a round trip), one wake-up less."""
+        if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= SPIN_MAX_US:
+            raise TransportError("wait_blocking: spin_us %r: microseconds to spin for a completion, "
+                                 "0 (off) .. %d" % (spin_us, SPIN_MAX_US))
         deadline = None if timeout is None else time.monotonic() + timeout
+        if spin_us > 0 and self._ep._e is not None:
+            _, lib = _engine()
+            with self._lock:
+                n = lib.mrc_eng_cq_wait(self._ep._e, self._wc, min(self._max, max_n), int(spin_us))
+                if n:
+                    return self._take(n)
         while True:
             got = self.poll(max_n)
             if got:
@@ -391,7 +408,18 @@ class CQ:
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
-              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace")
+              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us")
+SPIN_DEFAULT_US = 50        # engine.h MRC_ENG_SPIN_DEFAULT_US
+SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
+SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
+
+
+def check_spin_us(v) -> int:
+    """spin_us as the engine takes it (0: off), or one clear error."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SPIN_MAX_US:
+        raise TransportError("spin_us %r: microseconds the engine spins after work before it sleeps, "
+                             "0 (off) .. %d" % (v, SPIN_MAX_US))
+    return v or SPIN_OFF
 
 
 class Endpoint:
@@ -406,7 +434,9 @@ class Endpoint:
     ring, zero_copy, timestamps (1: TSETH on data, reflected in SACKs, which the
     datapath's time-based loss rule dates packets by; default none), dscp_*, and the
     NSCC window cc_init_cwnd, cc_min_cwnd,
-    cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md.
+    cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md; spin_us:
+    the most the progress thread spins after work before it sleeps (adaptive below it;
+    default 50, 0: never spins; see docs/transport.md).
     publish: every this many seconds, write the QPs' counters for other processes
     (/run/mrc-xdp/qps/<instance>/, read by `mrc-xdp stats/status/qps` and metrics;
     removed at close); None: never.
@@ -459,7 +489,7 @@ class Endpoint:
         o.dscp_data = dscp_data
         o.dscp_ctrl = dscp_ctrl
         for k, v in cc_params.items():
-            setattr(o, k, int(v))
+            setattr(o, k, check_spin_us(v) if k == "spin_us" else int(v))
         pin = os.path.join(maps.pin_dir(instance), XSKMAP)
         try:
             xfd = bpfsys.obj_get(pin)
@@ -513,7 +543,9 @@ class Endpoint:
         self._alive()
         o = ffi.new("struct mrc_eng_opts *")
         lib.mrc_eng_get_opts(self._e, o)
-        return {k: getattr(o, k) for k in _OPT_NAMES + ("payload",)}
+        d = {k: getattr(o, k) for k in _OPT_NAMES + ("payload",)}
+        d["spin_us"] = 0 if d["spin_us"] == SPIN_OFF else d["spin_us"]
+        return d
 
     def _alive(self):
         if self._e is None:

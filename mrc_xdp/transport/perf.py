@@ -27,6 +27,14 @@ DEFAULT_SIZE = 65536
 MAX_QPS = bs.MAX_QPS  # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
 CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
+# the engine counters write-lat reports (each side's): how the round trips were waited for
+ENGINE_LAT_STATS = ("loops", "sleeps", "spin_hits", "spin_misses", "spin_ns", "spin_limit_ns", "post_wakeups",
+                    "caller_rx", "caller_wakeups", "caller_preempted", "caller_skipped", "spin_yields",
+                    "spin_preempted")
+# write-lat: the caller's spin for each completion (--cq-spin-us), receiving frames itself
+# (measured, bench_lat at load 3.3-3.6: round trip p50 21-24 us with it and the engine's
+# spin, 60-119 us with neither, 100-132 with the engine's spin alone)
+CQ_SPIN_DEFAULT_US = 50
 
 
 class PerfError(RuntimeError):
@@ -54,9 +62,10 @@ def published_qps(instance: str | None = None) -> list[dict]:
 class Session:
     """An endpoint, its QPs and MR, and the bootstrap channel; closes all of it."""
 
-    def __init__(self, instance: str, ns: str | None, mtu: int | None = None, cmd: str = ""):
+    def __init__(self, instance: str, ns: str | None, mtu: int | None = None, cmd: str = "",
+                 spin_us: int | None = None):
         t = _transport()
-        self.ep = t.Endpoint(instance, ns, mtu=mtu)
+        self.ep = t.Endpoint(instance, ns, mtu=mtu, **({} if spin_us is None else {"spin_us": spin_us}))
         self.qps = []
         self.mr = None
         self.ch = None
@@ -211,15 +220,16 @@ def _telling(ch):
 def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int = DEFAULT_SIZE,
                     iters: int | None = None, duration: float | None = None, qps: int = 1,
                     port: int = bs.DEFAULT_PORT, tx_depth: int | None = None, mtu: int | None = None,
-                    progress: bool = False, timeout: float = 30.0) -> dict:
+                    progress: bool = False, timeout: float = 30.0, spin_us: int | None = None) -> dict:
     if size < 1:
         raise PerfError("--size %d: must be at least 1 byte" % size)
+    _check_spins(spin_us, 0)
     if not 1 <= qps <= MAX_QPS:
         raise PerfError("--qps %d: must be 1..%d" % (qps, MAX_QPS))
     if iters is None and duration is None:
         iters = 5000 if size <= 65536 else 1000
     depth = tx_depth or max(1, min(128, MAX_INFLIGHT_BYTES // size // qps))
-    with Session(instance, ns, mtu, "write-bw client") as s:
+    with Session(instance, ns, mtu, "write-bw client", spin_us) as s:
         src = bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size]
         s.mr = s.ep.reg_mr(src)
         s.make_qps(qps)
@@ -269,7 +279,8 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
                "payload": s.ep.payload, "tx_depth": depth,
                "bw_avg_bps": done * size * 8 / el if el > 0 else 0.0,
                "bw_peak_bps": max(windows) if windows else done * size * 8 / max(el, 1e-9),
-               "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st}
+               "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st,
+               "spin_us": s.ep.options()["spin_us"]}
         s.ch.send({"type": "result", "result": res})
         s.ch.barrier("done", timeout)
         return res
@@ -277,11 +288,12 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
 
 def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                     bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                    timeout: float = 30.0, log=None) -> dict:
+                    timeout: float = 30.0, log=None, spin_us: int | None = None) -> dict:
+    _check_spins(spin_us, 0)
     ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-bw", log)
     with _telling(ch):
         size, qps = ch.hello["size"], ch.hello["qps"]
-        with Session(instance, ns, mtu, "write-bw server") as s:
+        with Session(instance, ns, mtu, "write-bw server", spin_us) as s:
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(qps)
             ch.send({"type": "qps", "qps": s.attrs()})
@@ -295,9 +307,11 @@ def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT
 
 # ------------------------------------------------------------------ write-lat
 
-def _lat_loop(s, remote, size, iters, client: bool, timeout: float):
+def _lat_loop(s, remote, size, iters, client: bool, timeout: float, cq_spin_us: int = 0):
     """Ping-pong of Write-with-Immediate: the client writes, the server answers when the
-    whole message has arrived (its RECV_RDMA_IMM completion), and back."""
+    whole message has arrived (its RECV_RDMA_IMM completion), and back.  cq_spin_us: wait
+    for each completion spinning in C first (CQ.wait_blocking's spin_us), then on the
+    eventfd."""
     q = s.qps[0]
     r = remote[0]["mr"]
     lat = []
@@ -306,10 +320,12 @@ def _lat_loop(s, remote, size, iters, client: bool, timeout: float):
 
     def wait_recv():
         while True:
-            # no busy polling (ib_write_lat spins on its CQ): on a shared 2-core host a
-            # spinning client and server starve the engines' progress threads (measured:
-            # round trip p50 88 -> 486 us with a 200 us spin)
-            for c in ep.cq.wait_blocking(timeout=timeout, max_n=16) or [None]:
+            # ib_write_lat spins on its CQ; a Python busy poll here starved the engines'
+            # progress threads on a shared 2-core host (measured: round trip p50 88 -> 486 us
+            # with a 200 us spin).  cq_spin_us spins in C (GIL released, bounded, given up
+            # when descheduled) and receives the frames itself, so nothing waits for the
+            # progress thread (docs/transport.md, "Latency path")
+            for c in ep.cq.wait_blocking(timeout=timeout, max_n=16, spin_us=cq_spin_us) or [None]:
                 if c is None:
                     raise PerfError("write-lat: no message from the peer for %.0f s" % timeout)
                 _check_wc(c, "write-lat")
@@ -337,16 +353,31 @@ def _lat_result(lat, size, payload) -> dict:
         return v[min(n - 1, int(n * p))]
     return {"test": "write-lat", "bytes": size, "iterations": n, "payload": payload,
             "t_min_us": half[0], "p50_us": pct(half, 0.5), "p99_us": pct(half, 0.99),
-            "t_max_us": half[-1], "t_avg_us": sum(half) / n,
-            "rtt_p50_us": pct(lat, 0.5), "rtt_p99_us": pct(lat, 0.99)}
+            "p999_us": pct(half, 0.999), "t_max_us": half[-1], "t_avg_us": sum(half) / n,
+            "rtt_p50_us": pct(lat, 0.5), "rtt_p99_us": pct(lat, 0.99), "rtt_p999_us": pct(lat, 0.999)}
+
+
+def _check_spins(spin_us, cq_spin_us):
+    t = _transport()
+    if spin_us is not None:
+        try:
+            t.endpoint.check_spin_us(spin_us)
+        except t.TransportError as e:
+            raise PerfError("--spin-us: %s" % e) from None
+    if isinstance(cq_spin_us, bool) or not isinstance(cq_spin_us, int) or not 0 <= cq_spin_us <= t.endpoint.SPIN_MAX_US:
+        raise PerfError("--cq-spin-us %r: microseconds to spin for a completion, 0 (off) .. %d"
+                        % (cq_spin_us, t.endpoint.SPIN_MAX_US))
 
 
 def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int = 8,
                      iters: int = 1000, port: int = bs.DEFAULT_PORT, mtu: int | None = None,
-                     timeout: float = 30.0) -> dict:
+                     timeout: float = 30.0, spin_us: int | None = None, cq_spin_us: int = 0) -> dict:
+    """spin_us: the engine's spin (Endpoint spin_us; None: its default); cq_spin_us:
+    this side's spin for each completion (CQ.wait_blocking)."""
     if size < 1 or iters < 1:
         raise PerfError("--size and --iters must be at least 1")
-    with Session(instance, ns, mtu, "write-lat client") as s:
+    _check_spins(spin_us, cq_spin_us)
+    with Session(instance, ns, mtu, "write-lat client", spin_us) as s:
         s.mr = s.ep.reg_mr(bytearray(size))
         s.make_qps(1)
         s.ch = bs.connect(peer, port, timeout=timeout, ns=ns,
@@ -355,9 +386,13 @@ def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int 
         remote = s.ch.expect("qps", timeout, n=1, local=s.ep.local_addr, need_mr=size)["qps"]
         s.connect(remote)
         s.ch.barrier("go", timeout)
-        lat = _lat_loop(s, remote, size, iters, True, timeout)
+        lat = _lat_loop(s, remote, size, iters, True, timeout, cq_spin_us)
         res = _lat_result(lat, size, s.ep.payload)
         res["qp_stats"] = _summ_qp_stats(s.stats())
+        st = s.ep.stats()
+        res["spin_us"] = s.ep.options()["spin_us"]
+        res["cq_spin_us"] = cq_spin_us
+        res["engine"] = {k: st[k] for k in ENGINE_LAT_STATS}
         s.ch.send({"type": "result", "result": res})
         s.ch.barrier("done", timeout)
         return res
@@ -365,19 +400,23 @@ def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int 
 
 def write_lat_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                      bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                     timeout: float = 30.0, log=None) -> dict:
+                     timeout: float = 30.0, log=None, spin_us: int | None = None,
+                     cq_spin_us: int = 0) -> dict:
+    _check_spins(spin_us, cq_spin_us)
     ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-lat", log,
                 need_mr=lambda h: h["size"])
     with _telling(ch):
         size, iters = ch.hello["size"], ch.hello["iters"]
-        with Session(instance, ns, mtu, "write-lat server") as s:
+        with Session(instance, ns, mtu, "write-lat server", spin_us) as s:
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(1)
             ch.send({"type": "qps", "qps": s.attrs()})
             s.connect(ch.remote)
             ch.barrier("go", timeout)
-            _lat_loop(s, ch.remote, size, iters, False, timeout)
+            _lat_loop(s, ch.remote, size, iters, False, timeout, cq_spin_us)
             res = ch.expect("result", timeout, cmd="write-lat")["result"]
+            st = s.ep.stats()
+            res["server_engine"] = {k: st[k] for k in ENGINE_LAT_STATS}
             ch.barrier("done", timeout)
             return res
 

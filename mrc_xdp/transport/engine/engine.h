@@ -98,7 +98,17 @@ struct mrc_eng_opts {
 	                             * once the peer has been silent this long (50000): a peer (or
 	                             * this thread) descheduled for a few ms on a busy host must
 	                             * not cost a window of resends */
+	uint32_t spin_us;           /* the most the progress thread spins (polling the RX ring,
+	                             * new posts and its timers, no syscall) after its last work
+	                             * before it sleeps in ppoll; adaptive below it (see progress()
+	                             * in engine.c).  0: the default (MRC_ENG_SPIN_DEFAULT_US);
+	                             * MRC_ENG_SPIN_OFF: never spin (sleep as soon as idle);
+	                             * at most MRC_ENG_SPIN_MAX_US */
 };
+
+#define MRC_ENG_SPIN_DEFAULT_US 50
+#define MRC_ENG_SPIN_MAX_US     10000
+#define MRC_ENG_SPIN_OFF        0xFFFFFFFF
 
 struct mrc_eng_stats {
 	uint64_t rx_frames;         /* frames read from the RX ring */
@@ -126,6 +136,22 @@ struct mrc_eng_stats {
 	uint64_t zero_copy;         /* 1 if the socket is bound in zero-copy mode */
 	uint64_t crc_fast;          /* 1: CRC-32 folded with PCLMULQDQ (checked against zlib) */
 	uint64_t fb_oow;            /* SACK/NACK naming a PSN outside the sent window: ignored */
+	uint64_t spin_hits;         /* spins after work that found more (an RX frame, a post, a
+	                             * timer) before their limit: a ppoll sleep and wake-up saved */
+	uint64_t spin_misses;       /* spins that ran out: the thread then slept */
+	uint64_t spin_yields;       /* spins given up because a caller spins in mrc_eng_cq_wait */
+	uint64_t spin_preempted;    /* spins cut short because the thread was descheduled mid-spin
+	                             * (CPUs oversubscribed): the limit then drops to 0 for 10 ms */
+	uint64_t spin_ns;           /* time spent spinning, in all */
+	uint64_t spin_limit_ns;     /* the adaptive spin limit now (0..spin_us) */
+	uint64_t post_wakeups;      /* posts that had to wake the sleeping thread (eventfd) */
+	uint64_t caller_rx;         /* progress rounds run by a caller spinning in mrc_eng_cq_wait
+	                             * (frames it received itself, no hand-off) */
+	uint64_t caller_wakeups;    /* ... after which the sleeping thread had to be woken (a
+	                             * timer before its wake-up, or packets left to send) */
+	uint64_t caller_preempted;  /* caller spins cut short: descheduled mid-spin */
+	uint64_t caller_skipped;    /* caller waits that did not spin: the spins before them came
+	                             * back empty (1, 3, 7 .. 63 waits skip after each empty one) */
 };
 
 struct mrc_qp_stats {
@@ -206,6 +232,11 @@ int  mrc_eng_post_write(struct mrc_eng *e, uint32_t qpn, uint64_t wr_id, uint64_
 			int with_imm, uint32_t imm);
 /* Take up to max completions; returns how many. */
 int  mrc_eng_poll(struct mrc_eng *e, struct mrc_eng_wc *wc, int max);
+/* As mrc_eng_poll, but when none is pending spin up to spin_us for the first one (no
+ * syscall; the CQ's eventfd is not written while a caller spins), receiving frames that
+ * arrive meanwhile in the calling thread; 0: none came, wait on mrc_eng_cq_fd.  For a
+ * caller that expects a completion within microseconds. */
+int  mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t spin_us);
 
 /* ICRC of an IPv6 RoCEv2 packet without its trailer (as mrc_xdp.wire.icrc).  fast: use
  * the PCLMULQDQ fold (if the CPU has it and it matched zlib), else zlib alone. */
