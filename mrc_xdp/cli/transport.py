@@ -7,8 +7,8 @@ import sys
 
 from mrc_xdp import transport
 from mrc_xdp.transport import bootstrap as bs
-from mrc_xdp.transport.perf import (CQ_SPIN_DEFAULT_US, DEFAULT_SIZE, PerfError, published_qps, recv_file, send_file,
-                                    write_bw_client, write_bw_server, write_lat_client, write_lat_server)
+from mrc_xdp.transport.perf import (CQ_SPIN_DEFAULT_US, DEFAULT_SIZE, LAT_SPIN_US, PerfError, published_qps,
+                                    recv_file, send_file, write_bw_client, write_bw_server, write_lat_client, write_lat_server)
 
 def _fmt_bw(r: dict) -> str:
     line = "-" * 86
@@ -166,9 +166,9 @@ def add_parsers(sub) -> None:
     p.add_argument("peer", nargs="?", metavar="PEER", help="the server's control address (client)")
     p.add_argument("-s", "--size", type=int, default=8, help="bytes per write (8)")
     p.add_argument("-n", "--iters", type=int, default=1000, help="round trips (1000)")
-    p.add_argument("--spin-us", type=int, default=None, metavar="US",
+    p.add_argument("--spin-us", type=int, default=LAT_SPIN_US, metavar="US",
                    help="this side's engine: spin up to US microseconds after work before sleeping "
-                        "(adaptive below it; default: the engine's, %d; 0: off)" % transport.endpoint.SPIN_DEFAULT_US)
+                        "(adaptive below it; default %d, where the engine's own is off; 0: off)" % LAT_SPIN_US)
     p.add_argument("--cq-spin-us", type=int, default=CQ_SPIN_DEFAULT_US, metavar="US",
                    help="this side's caller: spin up to US microseconds for each completion before "
                         "sleeping on the CQ's eventfd (default %d; 0: off)" % CQ_SPIN_DEFAULT_US)

@@ -409,7 +409,7 @@ _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
               "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us")
-SPIN_DEFAULT_US = 50        # engine.h MRC_ENG_SPIN_DEFAULT_US
+SPIN_DEFAULT_US = 0         # engine.h MRC_ENG_SPIN_DEFAULT_US (off)
 SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
 
@@ -436,7 +436,8 @@ class Endpoint:
     NSCC window cc_init_cwnd, cc_min_cwnd,
     cc_max_cwnd, cc_target_us, cc_fair_inc, cc_prop_gain, cc_md_gamma, cc_max_md; spin_us:
     the most the progress thread spins after work before it sleeps (adaptive below it;
-    default 50, 0: never spins; see docs/transport.md).
+    default 0: never spins, as it only pays with a caller that spins on the CQ too,
+    which write-lat does; see docs/transport.md).
     publish: every this many seconds, write the QPs' counters for other processes
     (/run/mrc-xdp/qps/<instance>/, read by `mrc-xdp stats/status/qps` and metrics;
     removed at close); None: never.

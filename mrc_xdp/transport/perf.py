@@ -35,6 +35,7 @@ ENGINE_LAT_STATS = ("loops", "sleeps", "spin_hits", "spin_misses", "spin_ns", "s
 # (measured, bench_lat at load 3.3-3.6: round trip p50 21-24 us with it and the engine's
 # spin, 60-119 us with neither, 100-132 with the engine's spin alone)
 CQ_SPIN_DEFAULT_US = 50
+LAT_SPIN_US = 50            # write-lat's engine spin (the engine's own default is off)
 
 
 class PerfError(RuntimeError):

@@ -106,7 +106,8 @@ struct mrc_eng_opts {
 	                             * at most MRC_ENG_SPIN_MAX_US */
 };
 
-#define MRC_ENG_SPIN_DEFAULT_US 50
+#define MRC_ENG_SPIN_DEFAULT_US 0   /* off: spinning pays only with a caller that spins too
+                                     * (write-lat turns both on; docs/transport.md) */
 #define MRC_ENG_SPIN_MAX_US     10000
 #define MRC_ENG_SPIN_OFF        0xFFFFFFFF
 
