@@ -839,7 +839,8 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
             written = tomllib.loads(ex.run(["cat", "/etc/mrc-xdp/host.toml"]).stdout)
             assert HostConfig.from_dict(written) == HostConfig.from_dict(inventory.config_of(hv[inst]))
             for svc in ("daemon", "metrics"):
-                assert ex.run([BG, "status", "/run/mrc-xdp/%s.pid" % svc], check=False).returncode == 0, svc
+                assert ex.run([BG, "status", "/run/mrc-xdp/%s.pid" % svc], check=False).returncode == 0, (
+                    h, svc, ex.run(["tail", "-n", "25", "/run/mrc-xdp/%s.log" % svc], check=False).stdout)
             # monitored: the endpoint answers on this machine through the VM's forwarded
             # port, and says that the daemon follows the instance (it may still be starting)
             up = re.compile(r'^mrc_daemon_up\{mrc_instance="%s"\} 1(\.0)?$' % re.escape(inst), re.M)
