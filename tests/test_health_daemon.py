@@ -225,7 +225,8 @@ def test_plane_nic_down_up(lab, daemon):
     assert "OUT OF ROTATION" not in [ln for ln in marks["status"].splitlines() if ln.strip().startswith("plane 1")][0]
     assert marks["stats"]["planes"]["0"]["out_of_rotation"] is True
     assert marks["stats"]["planes"]["1"]["out_of_rotation"] is False
-    assert marks["daemon"]["0"] == {"dev": "p0", "up": False, "in_rotation": False}, marks["daemon"]
+    assert marks["daemon"]["0"] == {"dev": "p0", "up": False, "in_rotation": False, "operator_out": False}, \
+        marks["daemon"]
     # back in rotation; the link changed no EV (losses of the packets the dead NIC took
     # may have retired some: those are probed back like any other)
     assert H.wait_for(lambda: _planes_down(lab, "h0") == [False, False], 5), _planes_down(lab, "h0")
@@ -244,6 +245,72 @@ def test_plane_nic_down_up(lab, daemon):
     assert _plane_tx(lab, "h0", 0) > tx0, "plane 0 carries nothing after its NIC came back"
     p = H.cli("events", "-i", inst, env=daemon.env)
     assert "plane 0 (p0) link down: LINK_DOWN" in p.stdout and "plane 0 (p0) link up: LINK_UP" in p.stdout, p.stdout
+
+
+def _fabric_plane_pkts(lab) -> dict:
+    """{plane: MRC packets} every host sent into the fabric (the link model at the T0 end
+    of each host link counts them)."""
+    out = {}
+    hosts = {h.name for h in lab["topo"].hosts}
+    for name, rx, tx, _ in lab["topo"].link_ends():
+        if tx.node in hosts:
+            p = int(tx.ifname[1:])
+            out[p] = out.get(p, 0) + lab["lm"].counters(rx.ifindex)["mrc_pkts"]
+    return out
+
+
+def test_operator_drained_plane_left_alone(lab, daemon):
+    """`plane out 1` on every host (MRC_PF_ADMIN): the daemon, probing in the background
+    20 times a second per instance, sends nothing on plane 1 (fabric counters: no MRC
+    packet on any host's plane-1 uplink for 2 s while plane 0 gets its probes), leaves a
+    plane-1 EV that was retired alone (no resurrection probes: it stays ASSUMED_BAD) and
+    says so in its status; after `plane in 1` it probes plane 1 again and resurrects the
+    EV (PROBE_OK)."""
+    need_prober()
+    from mrc_xdp.datapath.maps import Instance
+    from mrc_xdp.datapath.shared import EvReason, EvState
+    daemon.kill()           # the fixture's daemon has no background probes
+    d = H.Daemon(lab, interval_ms=INTERVAL_MS, ok_needed=OK_NEEDED, backoff_max_ms=BACKOFF_MS,
+                 jitter_pct=JITTER, background_per_s=20)
+    insts = [lab["prefix"] + h.name for h in lab["topo"].hosts]
+    victim = next(r for r in H.ev_rows(lab, "h0") if r["plane"] == 1 and r["role"] == "active")
+    try:
+        for name in insts:
+            H.cli("plane", "out", "1", "-i", name)
+            with Instance(name) as inst:
+                assert inst.plane_rows()[1]["operator_out"]
+        with Instance(lab["prefix"] + "h0") as inst:
+            inst.set_ev_state(victim["ev"], EvState.ASSUMED_BAD, conn=victim["conn"])
+        d.start()
+        time.sleep(0.5)             # the daemon has read the flags (every 50 ms)
+        before = _fabric_plane_pkts(lab)
+        time.sleep(2.0)
+        after = _fabric_plane_pkts(lab)
+        st = d.status()["instances"][lab["prefix"] + "h0"]
+        assert after[0] - before[0] >= 20, (before, after)          # plane 0 is probed ...
+        assert after[1] == before[1], (before, after)               # ... plane 1 carries nothing
+        assert st["links"]["1"]["operator_out"] and not st["links"]["0"]["operator_out"], st["links"]
+        plane = {(r["conn"], r["ev"]): r["plane"] for r in H.ev_rows(lab, "h0")}
+        probed = {plane.get(tuple(int(x) for x in k.split(":"))) for k, v in st["rtt"].items() if v["sent"]}
+        assert probed == {0}, st["rtt"]
+        row = next(r for r in H.ev_rows(lab, "h0") if r["ev"] == victim["ev"] and r["conn"] == victim["conn"])
+        assert row["state"] == "ASSUMED_BAD", row
+        assert "plane 1 drained by the operator" in d.text()
+        for name in insts:
+            H.cli("plane", "in", "1", "-i", name)
+
+        def back():
+            r = next(r for r in H.ev_rows(lab, "h0") if r["ev"] == victim["ev"] and r["conn"] == victim["conn"])
+            return r if r["state"] == "GOOD" else None
+        row = H.wait_for(back, 10, 0.1)
+        assert row and row["reason"] == EvReason.PROBE_OK.name, H.ev_rows(lab, "h0")
+        b1 = _fabric_plane_pkts(lab)[1]
+        assert H.wait_for(lambda: _fabric_plane_pkts(lab)[1] > b1 + 5, 5), "plane 1 not probed after `plane in`"
+    finally:
+        d.kill()
+        for name in insts:
+            with Instance(name) as inst:
+                inst.set_plane_out(1, False)
 
 
 def test_restart_resumes(lab, daemon):

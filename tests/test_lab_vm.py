@@ -110,6 +110,11 @@ def test_render_is_the_netns_topology_and_vagrant_validates(tmp_path, monkeypatc
     assert p.returncode != 0 and "mrc-xdp lab render --json" in p.stderr
 
 
+def test_ci_topology_file():
+    """contrib/lab-vmci.toml (the by-hand command of docs/fleet.md) is CI_TOPO."""
+    assert load(os.path.join(vm.ROOT, "contrib", "lab-vmci.toml")).to_dict() == from_dict(CI_TOPO).to_dict()
+
+
 def test_lab_key_is_made_once_by_its_first_users(tmp_path):
     """Four processes needing the lab's key at once on an empty cache (renderings, a
     build) end with one key pair, the private and public halves matching."""
@@ -730,6 +735,175 @@ def test_health_daemon_retires_a_dead_plane_by_background_probes_and_heals(lab_o
         "min-max): %s; one `ev list` of both hosts %.1fs; daemons used %s"
         % (lab["target"], {h: round(t, 1) for h, t in t_up.items()}, t_good0, t_retire, t_heal,
            time.monotonic() - t_start, figs, t_poll, {dm["host"]: dm.get("cpu") for dm in dms}))
+
+
+# ---------------------------------------------------------------- the fleet role on the VMs, over SSH
+ANSIBLE = os.path.join(vm.ROOT, "deploy", "ansible")
+PLAYBOOK = os.path.join(os.path.dirname(os.sys.executable), "ansible-playbook")
+RECAP = re.compile(r"^(\S+)\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+BG = "/run/mrc-xdp/mrc-xdp-bg"
+
+
+def _play(d, inv, playbook, *extra, timeout=1500):
+    """ansible-playbook on the inventory; {"recap": {host: (ok, changed, unreachable, failed)}, "s"}."""
+    env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(ANSIBLE, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_HOME=os.path.join(d, "home"), ANSIBLE_LOCAL_TEMP=os.path.join(d, "tmp"))
+    t = time.monotonic()
+    p = subprocess.run([PLAYBOOK, "-i", inv, os.path.join(ANSIBLE, playbook), *extra], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    with open(os.path.join(d, "ansible.log"), "a") as f:
+        f.write("==== %s %s: rc %d\n%s\n%s\n" % (playbook, " ".join(extra), p.returncode, p.stdout, p.stderr))
+    fatal = [ln for ln in p.stdout.splitlines() if ln.startswith(("fatal:", "failed:", "ERROR", "[ERROR]"))]
+    assert p.returncode == 0, (playbook, p.returncode, fatal[:4] or p.stdout[-3000:], p.stderr[-2000:])
+    return {"recap": {m[0]: tuple(int(x) for x in m[1:]) for m in RECAP.findall(p.stdout)},
+            "s": time.monotonic() - t}
+
+
+def _later_vm_tests(request) -> list:
+    """The tests after this one in the session that use the VM lab (`vmlab`, or `lab_on`
+    on the QEMU target)."""
+    items = request.session.items
+    later = items[items.index(request.node) + 1:]
+    return [it.nodeid for it in later if "vmlab" in it.fixturenames
+            or (getattr(it, "callspec", None) and it.callspec.params.get("lab_on") == "qemu")]
+
+
+def _guest_leftovers(ex, inst) -> list:
+    """What a deploy could leave in a guest: the instance's pins and state, the role's
+    processes and files, XDP programs on the host's devices."""
+    sh = ("test -e /sys/fs/bpf/mrc/{i} && echo pins; test -e /run/mrc-xdp/{i}.json && echo state; "
+          "pgrep -af 'mrc-xdp (daemon|metrics)' | sed 's/^/process /'; "
+          "for f in /etc/mrc-xdp/host.toml /etc/mrc-xdp/host.toml.loaded /etc/mrc-xdp/daemon.toml "
+          "/run/mrc-xdp/daemon.pid /run/mrc-xdp/metrics.pid /run/mrc-xdp/daemon.log /run/mrc-xdp/metrics.log "
+          "{bg} /etc/mrc-xdp; do test -e $f && echo file $f; done; "
+          "for d in p0 p1 mrc0 mrc0p; do ip -d link show dev $d | grep -q 'prog/xdp' && echo xdp $d; done; true"
+          ).format(i=inst, bg=BG)
+    return ex.run(["sh", "-c", sh]).stdout.split("\n")[:-1]
+
+
+def test_fleet_role_on_the_vms_over_ssh(vmlab, request):
+    """The fleet's Ansible role and playbooks (deploy/ansible) against the VM lab's hosts
+    over SSH, as against real machines (docs/fleet.md): `mrc-xdp lab inventory` of the
+    running QEMU lab (ssh to 127.0.0.1 on each VM's forwarded port, root, the lab's key);
+    deploy.yml on both guests (the guest's /opt/mrc-xdp checkout; the lab's own datapath
+    replaced by the role's load; background services, the guests run no systemd):
+    `status --json` in every guest shows the instance with its connection and 16 GOOD
+    active EVs, the health daemon and the metrics endpoint run, and the endpoint answers
+    through its forwarded port with the instance's series and mrc_daemon_up 1; a second
+    deploy changes nothing; plane-drain.yml takes plane 1 out on both (checked with
+    status --json), and a 4 MiB engine transfer h0 -> h1 (intact by sha256) then sends
+    no packet on plane 1 in either direction (both hosts' plane-1 NIC counters); plane-
+    return.yml puts it back and the next transfer uses both planes; unload.yml leaves no
+    pins, state, processes, files or XDP program in the guests.  The lab's own datapaths
+    are loaded again afterwards when a later test uses the VMs."""
+    if not os.access(PLAYBOOK, os.X_OK):
+        pytest.fail("%s is missing: run scripts/setup.sh (it installs ansible-core)" % PLAYBOOK)
+    fleet_scenario(*vmlab, later=_later_vm_tests(request))
+
+
+def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
+    """test_fleet_role_on_the_vms_over_ssh on VM lab `prefix` (also run by hand on a lab
+    brought up with `lab up --vm --no-hosts` and deployed: deployed_before=True, then the
+    first deploy here must change nothing).  later: tests that need the lab's own
+    datapaths loaded again at the end."""
+    from mrc_xdp.datapath.config import HostConfig
+    from mrc_xdp.fleet import inventory
+    import tempfile
+    import tomllib
+    import urllib.request
+    execs = vm.execs_of(st)
+    hosts = [h.name for h in topo.hosts]
+    insts = {h: instance_name(prefix, h) for h in hosts}
+    lab = {"target": "qemu", "prefix": prefix, "topo": topo, "execs": execs, "control": st["control"],
+           "cli": GUEST_CLI}
+    d = tempfile.mkdtemp(prefix="mrcvf-")          # short: ssh's control sockets live under it
+    t_all = time.monotonic()
+    inv_path = os.path.join(d, "inventory.json")
+    p = subprocess.run(LAB_CLI + ["inventory", "--prefix", prefix, "-o", inv_path], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    hv = inventory.hosts_of(inventory.read(inv_path))
+    assert sorted(hv) == sorted(insts.values())
+    t, deployed, saved = {}, False, {}
+    try:
+        first = _play(d, inv_path, "deploy.yml")
+        deployed = True
+        t["deploy"] = first["s"]
+        assert all((first["recap"][insts[h]][1] == 0) == deployed_before and first["recap"][insts[h]][2:] == (0, 0)
+                   for h in hosts), first["recap"]
+        for h in hosts:
+            ex, inst = execs[h], insts[h]
+            s = json.loads(ex.run([GUEST_CLI, "status", "-i", inst, "--json"]).stdout)
+            assert s[0]["instance"] == inst and len(s[0]["connections"]) == 1, s
+            assert s[0]["active_evs_by_state"] == {"GOOD": 16}, s[0]["active_evs_by_state"]
+            written = tomllib.loads(ex.run(["cat", "/etc/mrc-xdp/host.toml"]).stdout)
+            assert HostConfig.from_dict(written) == HostConfig.from_dict(inventory.config_of(hv[inst]))
+            for svc in ("daemon", "metrics"):
+                assert ex.run([BG, "status", "/run/mrc-xdp/%s.pid" % svc], check=False).returncode == 0, (
+                    h, svc, ex.run(["tail", "-n", "25", "/run/mrc-xdp/%s.log" % svc], check=False).stdout)
+            # monitored: the endpoint answers on this machine through the VM's forwarded
+            # port, and says that the daemon follows the instance (it may still be starting)
+            up = re.compile(r'^mrc_daemon_up\{mrc_instance="%s"\} 1(\.0)?$' % re.escape(inst), re.M)
+            deadline, body = time.monotonic() + 90, ""
+            while not up.search(body):
+                assert time.monotonic() < deadline, body[-1500:]
+                time.sleep(1)
+                with urllib.request.urlopen("http://%s/metrics" % hv[inst]["mrc_xdp_metrics_target"],
+                                            timeout=30) as r:
+                    body = r.read().decode()
+        again = _play(d, inv_path, "deploy.yml")
+        t["redeploy"] = again["s"]
+        assert all(again["recap"][insts[h]][1:] == (0, 0, 0) for h in hosts), again["recap"]
+
+        drain = _play(d, inv_path, "plane-drain.yml", "-e", "mrc_xdp_plane=1")
+        t["drain"] = drain["s"]
+        assert all(drain["recap"][insts[h]][1] == 1 for h in hosts), drain["recap"]
+        for h in hosts:
+            rot = json.loads(execs[h].run([GUEST_CLI, "status", "-i", insts[h], "--json"]).stdout)[0]["plane_rotation"]
+            assert rot[1]["operator_out"] and not rot[1]["in_rotation"] and rot[0]["in_rotation"], rot
+        # TCG drops ~1-2% of a busy guest's frames: see test_engine_transfer_...
+        saved = {h: agent.call(execs[h], "datapath_config", instance=insts[h], changes={"loss_thresh": 16})
+                 for h in hosts}
+        nic0 = {h: _nic_tx(execs[h]) for h in hosts}
+        sent, planes = _engine_transfer(lab, "fleet-drained")
+        nic1 = {h: _nic_tx(execs[h]) for h in hosts}
+        drained = {h: {p: nic1[h][p] - nic0[h][p] for p in (0, 1)} for h in hosts}
+        say("fleet on VMs: plane 1 drained, %d MiB h0 -> h1: packets per plane NIC %s" % (XFER_MIB, drained))
+        assert drained["h0"][0] >= (XFER_MIB << 20) // 1500 and drained["h1"][0] > 0, drained
+        assert drained["h0"][1] == 0 and drained["h1"][1] == 0, drained
+
+        ret = _play(d, inv_path, "plane-return.yml", "-e", "mrc_xdp_plane=1")
+        t["return"] = ret["s"]
+        assert all(ret["recap"][insts[h]][1] == 1 for h in hosts), ret["recap"]
+        sent, planes = _engine_transfer(lab, "fleet-returned")
+        assert min(planes.values()) >= 0.25 * sent["qp_stats"]["tx_pkts"], planes
+
+        unload = _play(d, inv_path, "unload.yml")
+        t["unload"] = unload["s"]
+        deployed = False
+        assert all(unload["recap"][insts[h]][1] > 0 for h in hosts), unload["recap"]
+        for h in hosts:
+            assert _guest_leftovers(execs[h], insts[h]) == [], h
+    finally:
+        if deployed:                # whatever failed: nothing of the role stays behind
+            for h in hosts:
+                with_saved = saved.get(h)
+                if with_saved:
+                    agent.call(execs[h], "datapath_config", instance=insts[h], changes=with_saved)
+            try:
+                _play(d, inv_path, "unload.yml")
+            except Exception as e:       # reported; the fixture's teardown ends the VMs anyway
+                say("fleet on VMs: unload after a failure failed: %s" % e)
+        t_restore = time.monotonic()
+        if later:                   # the lab's own datapaths, as `lab up` loaded them
+            vm._parallel(lambda n: agent.call(execs[n], "vm_datapaths", topo=topo.to_dict(), prefix=prefix,
+                                              node=n, pin_dir=fabric.pin_dir(prefix), hosts=True,
+                                              linkmodel=False), hosts)
+        t["restore"] = time.monotonic() - t_restore if later else 0.0
+        say("fleet on VMs: %s; whole test %.0fs%s (ansible output: %s/ansible.log)"
+            % (", ".join("%s %.0fs" % kv for kv in t.items()), time.monotonic() - t_all,
+               "; the lab's datapaths reloaded for %d later tests" % len(later) if later else "", d))
+    shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- vagrant

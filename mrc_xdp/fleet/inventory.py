@@ -11,10 +11,13 @@ named after its datapath instance (``<prefix><host>``), in the group ``mrc_xdp``
   127.0.0.1:<metrics_port + host number>, so a Prometheus on this machine reaches each.
   Per-host files (config, pid files, logs, daemon socket) live under
   ``<state_dir>/<host>/``: the hosts share one file system.
-- VM lab: over SSH to 127.0.0.1 on the VM's forwarded port, as root, with the lab's key;
-  the checkout is the guest's /opt/mrc-xdp; files under /etc/mrc-xdp and /run/mrc-xdp as
-  on a real host.  The guests' metrics port is not forwarded to this machine, so VM hosts
-  have no ``mrc_xdp_metrics_target`` (prometheus.py leaves them out and says so).
+- VM lab: over SSH as root (QEMU runner: to 127.0.0.1 on the VM's forwarded port with
+  the lab's key; Vagrant runner: through the ssh config `vagrant ssh-config` wrote); the
+  checkout is the guest's /opt/mrc-xdp; files under /etc/mrc-xdp and /run/mrc-xdp as on
+  a real host.  The metrics endpoint listens on the guest's port 9417, which the QEMU
+  runner forwards to 127.0.0.1:<the plan's metrics_port>: that is the host's
+  ``mrc_xdp_metrics_target``.  Vagrant labs (and QEMU labs started before the forward
+  existed) have none (prometheus.py leaves them out and says so).
 
 Each host's datapath config is the lab's own (``mrc_xdp.lab.hosts.host_config_dict``:
 planes, QPNs, SRv6 templates), split into the role's variables (``mrc_xdp_planes``,
@@ -42,7 +45,6 @@ GROUP = "mrc_xdp"
 DEFAULT_METRICS_PORT = 9470     # host n's endpoint: 127.0.0.1:<port + n> (netns lab)
 DEFAULT_STATE_DIR = "/run/mrc-xdp/fleet"
 VM_CHECKOUT = "/opt/mrc-xdp"
-VM_METRICS_PORT = 9417
 
 # host config keys the role takes as variables of their own (the rest: mrc_xdp_host_extra)
 _SPLIT = {"instance": "mrc_xdp_instance", "mode": "mrc_xdp_mode", "local_addr": "mrc_xdp_local_addr",
@@ -139,25 +141,48 @@ def lab_inventory(prefix: str, state_dir: str | None = None, metrics_port: int =
                 "mrc_xdp_load_force": True,
             })
         else:
-            node = st["plan"]["nodes"][h.name]
-            key = st.get("ssh_key") or _vm_key()
-            v.update({
-                "ansible_connection": "ssh", "ansible_host": "127.0.0.1",
-                "ansible_port": node["ssh_port"], "ansible_user": "root",
-                "ansible_ssh_private_key_file": key,
-                "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-                                           "-o LogLevel=ERROR",
-                "ansible_python_interpreter": "/usr/bin/python3",
-                "mrc_xdp_checkout": checkout or VM_CHECKOUT,
-                "mrc_xdp_netns": "",
-                "mrc_xdp_metrics_listen": "0.0.0.0:%d" % VM_METRICS_PORT,
-                "mrc_xdp_metrics_target": None,      # not forwarded to this machine
-                "mrc_xdp_service_manager": "background",     # the guests boot a minimal init
-                "mrc_xdp_load_force": True,
-            })
+            v.update(_vm_host_vars(st, h.name, checkout))
         hosts[name] = v
     return {"all": {"vars": {"mrc_xdp_fleet": "lab %s (%s)" % (prefix, kind)},
                     "children": {GROUP: {"hosts": hosts}}}}
+
+
+_SSH_ARGS = "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+
+
+def _vm_host_vars(st: dict, host: str, checkout: str | None) -> dict:
+    """A VM lab host: SSH as root (QEMU runner: 127.0.0.1, the VM's forwarded port, the
+    lab's key; Vagrant runner: the ssh_config `vagrant ssh-config` wrote, host named as
+    the VM), the guest's checkout, background services (the guests boot a minimal init).
+    The metrics endpoint listens on the guest's GUEST_METRICS_PORT, which the QEMU runner
+    forwards to 127.0.0.1:<metrics_port> (labs started before it did, and Vagrant labs,
+    get no target)."""
+    from mrc_xdp.lab import vm
+    node = st["plan"]["nodes"][host]
+    v = {"ansible_connection": "ssh", "ansible_user": "root",
+         "ansible_python_interpreter": "/usr/bin/python3",
+         "mrc_xdp_checkout": checkout or VM_CHECKOUT,
+         "mrc_xdp_netns": "",
+         "mrc_xdp_metrics_listen": "0.0.0.0:%d" % vm.GUEST_METRICS_PORT,
+         "mrc_xdp_metrics_target": None,
+         "mrc_xdp_service_manager": "background",
+         # the lab may have loaded its own datapath (or the link model) on the host's
+         # NICs: the role's load replaces it
+         "mrc_xdp_load_force": True}
+    if st.get("target") == "vagrant":
+        argv = (st.get("ssh") or {}).get(host) or []
+        cfg = argv[argv.index("-F") + 1] if "-F" in argv else None
+        if not cfg:
+            raise FleetError("VM lab %r: no ssh config recorded for %s (`mrc-xdp lab down --prefix %s` "
+                             "and up again)" % (st["prefix"], host, st["prefix"]))
+        v.update({"ansible_host": host, "ansible_ssh_common_args": "-F %s %s" % (cfg, _SSH_ARGS)})
+        return v
+    v.update({"ansible_host": "127.0.0.1", "ansible_port": node["ssh_port"],
+              "ansible_ssh_private_key_file": st.get("ssh_key") or _vm_key(),
+              "ansible_ssh_common_args": _SSH_ARGS})
+    if node.get("metrics_port"):
+        v["mrc_xdp_metrics_target"] = "127.0.0.1:%d" % node["metrics_port"]
+    return v
 
 
 def _vm_key() -> str:

@@ -39,6 +39,12 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   left alone: link state is not EV health.  EVs of a plane that is down are not probed
   (neither resurrection nor background probes).  The flag is re-checked against the
   link every second, so a reload (flags 0) or a daemon restart converges.
+- **Planes an operator drained** (``mrc-xdp plane out``: MRC_PF_ADMIN, which only the
+  operator writes) are left alone as well: no background or resurrection probes of
+  their EVs and no EV state changed on them, so a drained plane carries nothing at all
+  (a plane is drained to work on it: probes failing there would retire EVs, probes
+  answered would resurrect them, neither is news).  The flags are re-read with the EV
+  states (every ``ROWS_S``); after ``plane in`` probing resumes where it was.
 - **Events.** The daemon is the single consumer of every instance's ``mrc_events``
   ring; events (and the daemon's own changes, ``"source": "daemon"``) go to a bounded
   history and to any number of subscribers on a unix socket (default
@@ -77,7 +83,7 @@ from dataclasses import dataclass, field
 
 from mrc_xdp.datapath import bpfsys, maps, netns
 from mrc_xdp.transport import conns
-from mrc_xdp.datapath.shared import Ctr, EvReason, EvState, ffi
+from mrc_xdp.datapath.shared import Ctr, EvReason, EvState, const, ffi
 
 DEFAULT_SOCKET = "/run/mrc-xdp/events.sock"
 SOCKET_ENV = "MRC_XDP_DAEMON_SOCKET"
@@ -92,6 +98,7 @@ BUSY_S = 0.2                # an instance whose spray sent data this recently is
 BUSY_PROBE_S = 0.2          # ... and gets at most one probe per this long (module docstring)
 
 IFF_UP, IFF_RUNNING = 0x1, 0x40
+PF_ADMIN = const("MRC_PF_ADMIN")     # mrc_plane.flags: drained by the operator (`plane out`)
 
 
 class HealthError(RuntimeError):
@@ -601,6 +608,7 @@ class InstanceHealth:
         self.planes = [(i, p["dev"]) for i, p in enumerate(self.inst.state.get("planes", []))]
         self.rb = bpfsys.RingReader(self.inst.map("mrc_events").fd, self._on_event)
         self.link_up: dict[int, bool] = {}
+        self.admin_out: set[int] = set()        # planes drained by the operator (MRC_PF_ADMIN)
         self._rows, self._rows_at = [], 0.0     # ev_states(), re-read at most every ROWS_S
         self.ipr = None
         self.bad: dict[tuple[int, int], _Probe] = {}
@@ -708,6 +716,24 @@ class InstanceHealth:
                           "source": "daemon"})
 
     # -- probing
+    def _left_alone(self, plane: int) -> bool:
+        """Is the plane out of the daemon's hands: its link down (our flag) or drained by
+        the operator (MRC_PF_ADMIN)?  Its EVs are neither probed nor changed."""
+        return self.link_up.get(plane) is False or plane in self.admin_out
+
+    def _read_admin(self) -> None:
+        try:
+            flags = self.inst.plane_flags()
+        except (maps.NotLoaded, OSError, TypeError):
+            return
+        out = {p for p, f in enumerate(flags) if f & PF_ADMIN}
+        if out != self.admin_out:
+            for p in sorted(out - self.admin_out):
+                self.log("%s: plane %d drained by the operator: its EVs are left alone (no probes)" % (self.name, p))
+            for p in sorted(self.admin_out - out):
+                self.log("%s: plane %d returned by the operator: probing its EVs again" % (self.name, p))
+        self.admin_out = out
+
     def _period(self, fails: int) -> float:
         base = min(self.cfg.interval_ms * (2 ** min(fails, 20)), max(self.cfg.backoff_max_ms, self.cfg.interval_ms))
         j = self.cfg.jitter_pct / 100.0
@@ -729,7 +755,10 @@ class InstanceHealth:
         """EV r (conn, ev, plane) to state, with an event, if it is still in state `was`
         (re-read now) and its plane's link is not down.  True when it changed."""
         cur = self._ev_now(r["conn"], r["ev"])
-        if cur is None or cur["state"] != was or self.link_up.get(r["plane"]) is False:
+        if cur is None or cur["state"] != was:
+            return False
+        self._read_admin()          # a drain since the probe was sent wins
+        if self._left_alone(cur["plane"]):
             return False
         maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
                           state, reason)
@@ -758,11 +787,12 @@ class InstanceHealth:
         if now - self._rows_at >= ROWS_S:
             self.inst.reload_state()
             self._rows, self._rows_at = ev_states(self.inst), now
+            self._read_admin()
         rows = self._rows
         seen = set()
         for r in rows:
             k = (r["conn"], r["ev"])
-            if r["state"] != "ASSUMED_BAD" or self.link_up.get(r["plane"]) is False:
+            if r["state"] != "ASSUMED_BAD" or self._left_alone(r["plane"]):
                 continue
             seen.add(k)
             with self.lock:
@@ -785,7 +815,7 @@ class InstanceHealth:
         self.bg_credit = min(self.bg_credit + dt * self.cfg.background_per_s, 8.0)
         if self.busy:
             self.bg_credit = 0.0
-        good = [r for r in rows if r["state"] == "GOOD" and self.link_up.get(r["plane"]) is not False]
+        good = [r for r in rows if r["state"] == "GOOD" and not self._left_alone(r["plane"])]
         while self.bg_credit >= 1.0 and good:
             self.bg_credit -= 1.0
             if not self.bg_order:
@@ -853,7 +883,8 @@ class InstanceHealth:
             bad = {"%d:%d" % k: {"ok": v.ok, "fails": v.fails, "next_in_s": round(v.next - time.monotonic(), 3)}
                    for k, v in self.bad.items()}
         return {"netns": self.netns, "links": {str(p): {"dev": dev, "up": self.link_up.get(p),
-                                                        "in_rotation": self.link_up.get(p) is not False}
+                                                        "in_rotation": self.link_up.get(p) is not False,
+                                                        "operator_out": p in self.admin_out}
                                                for p, dev in self.planes},
                 "rtt": rtt, "probing": bad, "resurrected": self.resurrected}
 

@@ -302,11 +302,17 @@ def _ports(prefix: str, count: int) -> int:
     raise VmError("no %d free local ports for the VM lab's links" % count)
 
 
+GUEST_METRICS_PORT = 9417      # `mrc-xdp metrics` in a host VM (the fleet role's default port)
+
+
 def plan(topo: Topology, prefix: str, base_port: int | None = None) -> dict:
     """Every VM and its NICs.  Link k is UDP ports base+2k (lower end) and base+2k+1
-    (upper end) on 127.0.0.1; VM i's sshd is forwarded from base+2L+i."""
+    (upper end) on 127.0.0.1; VM i's sshd is forwarded from base+2L+i; host j's metrics
+    endpoint (guest port GUEST_METRICS_PORT, when something serves it there: the fleet
+    role) from base+2L+N+j (QEMU runner only), so a Prometheus on this machine scrapes
+    the guests."""
     nlinks = len(topo.links)
-    base = base_port if base_port is not None else _ports(prefix, 2 * nlinks + len(topo.nodes))
+    base = base_port if base_port is not None else _ports(prefix, 2 * nlinks + len(topo.nodes) + len(topo.hosts))
     link_idx = {lk.name: k for k, lk in enumerate(topo.links)}
     nodes = {}
     for i, (name, n) in enumerate(topo.nodes.items()):
@@ -325,6 +331,7 @@ def plan(topo: Topology, prefix: str, base_port: int | None = None) -> dict:
             h = topo.host(name)
             d["veth"] = {"app": "mrc0", "fab": "mrc0p", "mtu": topo.app_mtu,
                          "app_mac": fabric._mrc0_mac(h), "fab_mac": fabric._mrc0p_mac(h)}
+            d["metrics_port"] = base + 2 * nlinks + len(topo.nodes) + h.index
         nodes[name] = d
     return {"prefix": prefix, "base_port": base, "nodes": nodes}
 
@@ -498,7 +505,9 @@ def qemu_argv(st: dict, node: dict, run_dir: str, img: dict) -> list[str]:
            "-kernel", img["kernel"], "-initrd", img["initrd"],
            "-append", "%s lab.host=%s lab.mgmt=%s" % (CMDLINE, node["name"], MGMT),
            "-drive", "file=%s,if=virtio,format=qcow2,cache=unsafe" % os.path.join(run_dir, node["name"] + ".qcow2"),
-           "-netdev", "user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:%d-:22" % node["ssh_port"],
+           "-netdev", "user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:%d-:22" % node["ssh_port"]
+           + (",hostfwd=tcp:127.0.0.1:%d-:%d" % (node["metrics_port"], GUEST_METRICS_PORT)
+              if node.get("metrics_port") else ""),
            "-device", "virtio-net-pci,netdev=mgmt,mac=%s" % node["mgmt_mac"]]
     for k, nic in enumerate(node["nics"]):
         cmd += ["-netdev", "socket,id=l%d,udp=127.0.0.1:%d,localaddr=127.0.0.1:%d"
