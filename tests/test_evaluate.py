@@ -98,8 +98,9 @@ def test_evaluate_jobs_quick(tmp_path):
         assert len(h["healthy"][tr]) == 1 and h["healthy"][tr][0]["seconds"] > 0, tr
         jobs = h["jobs"][tr]
         assert [x["job"] for x in jobs] == [f["job"] for f in h["schedule"]] and len(jobs) == 2, tr
-        for x in jobs:
-            assert x["outcome"] in ("failed", "slow", "unaffected") and x["fault_applied"], (tr, x)
+        for x in jobs:                  # a job may fail before its fault is injected
+            assert x["outcome"] in ("failed", "slow", "unaffected"), (tr, x)
+            assert x["fault_applied"] or x["outcome"] == "failed", (tr, x)
             assert ("error" in x) == (x["outcome"] == "failed"), (tr, x)
         assert sum(h["counts"][tr].values()) == 2
     f = res["f"]
