@@ -51,7 +51,7 @@ class MrcBackendError(RuntimeError):
     """A call the mrc backend cannot run (wrong device, dtype or op)."""
 
 
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+def _env_int(name: str, default: int, lo: int, hi: int, multiple: int = 1) -> int:
     """A tuning knob from the environment (see docs/collective.md), checked."""
     v = os.environ.get(name)
     if v is None or v == "":
@@ -60,9 +60,9 @@ def _env_int(name: str, default: int, lo: int, hi: int) -> int:
         n = int(v, 0)
     except ValueError:
         n = None
-    if n is None or not lo <= n <= hi or (name == "MRC_CHUNK_BYTES" and n % 8):
+    if n is None or not lo <= n <= hi or n % multiple:
         raise MrcBackendError("mrc backend: %s=%r: expected an integer in %d..%d%s" % (
-            name, v, lo, hi, " (a multiple of 8)" if name == "MRC_CHUNK_BYTES" else ""))
+            name, v, lo, hi, " (a multiple of %d)" % multiple if multiple > 1 else ""))
     return n
 
 
@@ -169,7 +169,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         self.comm = Communicator(rank, world_size, TorchStore(store), inst,
                                  netns=netns or os.environ.get("MRC_NETNS") or None,
                                  timeout=self._timeout, key="mrc-pg",
-                                 chunk_bytes=_env_int("MRC_CHUNK_BYTES", 1 << 20, 4096, 1 << 26),
+                                 chunk_bytes=_env_int("MRC_CHUNK_BYTES", 1 << 20, 4096, 1 << 26, multiple=8),
                                  slots=_env_int("MRC_SLOTS", 4, 1, 64))
         self._q: queue.Queue = queue.Queue()
         # A Work handed to C++ (DDP's reducer calls get_future() and wait() on it) is held
