@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,14 +134,19 @@ class Daemon:
         self.cfg = os.path.join(self.dir, "daemon.toml")
         lines = ['socket = "%s"' % self.sock, 'instances = ["%s*"]' % lab["prefix"], "[probe]"]
         lines += ["%s = %s" % kv for kv in probe.items()]
-        with open(self.cfg, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        self.cfg_text = "\n".join(lines) + "\n"
         self.env = {"MRC_XDP_DAEMON_SOCKET": self.sock}
         self.lab = lab
         self.p = None
         self.log = os.path.join(self.dir, "daemon.log")
+        self.final_text = None
 
     def start(self, wait=True):
+        """Start (or start again after kill()) the daemon."""
+        os.makedirs(self.dir, exist_ok=True)
+        with open(self.cfg, "w") as f:
+            f.write(self.cfg_text)
+        self.final_text = None
         self.logf = open(self.log, "a")
         self.p = subprocess.Popen([CLI, "daemon", "--config", self.cfg], stdout=self.logf, stderr=self.logf)
         if wait:
@@ -163,14 +169,22 @@ class Daemon:
         return health.status(self.sock)
 
     def text(self):
+        if self.final_text is not None:
+            return self.final_text
         with open(self.log) as f:
             return f.read()
 
     def kill(self, sig=signal.SIGKILL):
+        """Stop the daemon and remove its directory; text() still gives its log."""
         if self.p and self.p.poll() is None:
             self.p.send_signal(sig)
             self.p.wait(10)
-        self.logf.close()
+        if self.p is None:                  # never started
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self.final_text is None:
+            self.logf.close()
+            self.final_text = self.text()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def stop(self):
         self.kill(signal.SIGTERM)

@@ -247,8 +247,12 @@ def _err(x: dict) -> str:
     """The line that says why a job failed: the last error a rank printed, else launch's."""
     errs = [ln for ln in x["tail"] if ("rror" in ln or "Segmentation" in ln or "imed out" in ln)
             and not ln.startswith("launch:")]
-    if errs:
-        return errs[-1][-300:]
+    if errs:                    # each rank's last word: the one that saw the cause first may not be last
+        last = {}
+        for ln in errs:
+            last[ln.split("]", 1)[0] if ln.startswith("[rank ") else ""] = ln[-300:]
+        return " | ".join([last.pop(k) for k in sorted(last) if k and k != errs[-1].split("]", 1)[0]] +
+                          [errs[-1][-300:]])
     lines = [ln for ln in x["tail"] if ln.startswith("launch:")] or x["tail"]
     return (lines[-1] if lines else "exit %d" % x["rc"])[-300:]
 

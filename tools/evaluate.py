@@ -41,6 +41,7 @@ import os
 import platform
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -222,6 +223,19 @@ class Lab:
             self.lm.close()
         log("lab %s: down" % self.prefix)
         fabric.down(self.prefix, unload_hosts=hosts.unload_all)
+        self._drop_tmp()
+
+    def _drop_tmp(self):
+        """The daemon's directory goes, unless its log has something to read."""
+        try:
+            with open(os.path.join(self.tmp, "daemon.log")) as f:
+                bad = "Traceback" in f.read()
+        except OSError:
+            bad = False
+        if bad:
+            log("the health daemon's log had a traceback: kept in %s" % self.tmp)
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # ================================================================== (c) loss on one path

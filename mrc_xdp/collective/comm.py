@@ -173,8 +173,10 @@ class Communicator:
             s = self._qp[j].stats()
         except transport.TransportError as e:
             return str(e)
-        return "QP %#x %s (sent %d packets, %d retransmitted, %d RTO expiries in a row at most)" % (
-            s["qpn"], s["state_name"], s.get("tx_pkts", 0), s.get("rtx_pkts", 0), s.get("retries_max", 0))
+        return ("QP %#x %s (sent %d packets, %d retransmitted, %d RTO expiries in a row at most, %d unacknowledged; "
+                "received %d data packets, %d SACKs)" % (
+                    s["qpn"], s["state_name"], s.get("tx_pkts", 0), s.get("rtx_pkts", 0), s.get("retries_max", 0),
+                    (s.get("next_psn", 0) - s.get("una_psn", 0)) & 0xFFFFFF, s.get("rx_pkts", 0), s.get("sacks_rx", 0)))
 
     def _progress(self, wait: float) -> bool:
         """Take completions; wait up to `wait` seconds for the first.  True if any came."""
