@@ -116,7 +116,9 @@ static __always_inline void skips_done(__u32 cid, struct mrc_rot *r)
 
 /*
  * Pick the EV slot for this packet: returns the rotation state with the slot in
- * r->slot, or NULL when no EV is usable.  Planes take turns; the packet's plane p0
+ * r->slot, or NULL when no EV is usable.  pref < nplanes: try that plane first and
+ * leave the planes' round robin as it is (feedback follows the peer's data, see
+ * mrc_conn.rx_plane); otherwise planes take turns; the packet's plane p0
  * gets the first `budget` tries (its EV count, capped at an equal share of
  * MRC_SELECT_TRIES), then the next plane, and so on (planes out of rotation passed
  * over): a plane with no usable EV costs its budget, never the packet, and the round
@@ -126,7 +128,8 @@ static __always_inline void skips_done(__u32 cid, struct mrc_rot *r)
  * register, so every exit reaches the caller in the same verifier state and the rest
  * of the program is verified once, not once per exit.
  */
-static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, __u32 nplanes)
+static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, __u32 nplanes,
+						 __u32 pref)
 {
 	struct mrc_rot *r = mrc_rot.lookup(&cid);
 	__u32 n = c->ev_per_plane;
@@ -135,8 +138,12 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 
 	if (!r || !n || !nplanes || nplanes > MRC_MAX_PLANES || n * nplanes > MRC_EV_ACTIVE_MAX)
 		return 0;
-	p0 = r->plane < nplanes ? r->plane : 0;
-	r->plane = p0 + 1 < nplanes ? p0 + 1 : 0;
+	if (pref < nplanes) {
+		p0 = pref;              /* feedback: the plane asked for, the round robin untouched */
+	} else {
+		p0 = r->plane < nplanes ? r->plane : 0;
+		r->plane = p0 + 1 < nplanes ? p0 + 1 : 0;
+	}
 	r->nskip = 0;
 	r->bad1 = 0;
 	if (!plane_off(p0) && ev_try(cid, c, r, p0, n))
@@ -166,7 +173,7 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 		if (ev_try(cid, c, r, q, n)) {
 			/* another plane took p0's turn: the round robin goes on after it, so
 			 * the planes that can send share the turns equally */
-			if (q != p0)
+			if (q != p0 && pref >= nplanes)
 				r->plane = q + 1 < nplanes ? q + 1 : 0;
 			goto out;
 		}

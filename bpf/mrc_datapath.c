@@ -147,7 +147,18 @@ int mrc_spray(struct xdp_md *ctx)
 		if (!e)
 			return XDP_DROP;
 	} else {
-		rot = ev_select(cid, c, cfg->nplanes);
+		__u32 pref = MRC_MAX_PLANES;
+
+		/* Feedback (SACK, NACK, ACK) goes back on the plane the peer's newest data
+		 * came in on; a repeated SACK (RTX: the engine says its SACKs were not heard)
+		 * on the next plane, so one of the two avoids a plane dead towards the peer
+		 * only. */
+		if (!mrc_is_data(p.opcode) && c->rx_plane && c->rx_plane <= MRC_MAX_PLANES) {
+			pref = c->rx_plane - 1;
+			if (p.b8 & MRC_BTH_B8_RTX)
+				pref = pref + 1 < cfg->nplanes ? pref + 1 : 0;
+		}
+		rot = ev_select(cid, c, cfg->nplanes, pref);
 		if (!rot) {
 			ctr_inc(MRC_C_SPRAY_NO_EV);
 			return XDP_DROP;
@@ -559,15 +570,22 @@ static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struc
 	return 0;
 }
 
-static __always_inline void count_rx_data(struct mrc_pkt *p)
+static __always_inline void count_rx_data(struct xdp_md *ctx, struct mrc_pkt *p)
 {
 	struct mrc_evidx_key key = {};
 	struct mrc_rxev_ctr *rc, zero = {};
 	struct mrc_conn *c;
-	__u32 cid;
+	__u32 cid, k, *pidx;
 
 	/* MRC_MAX_CONNS: data of no known connection */
 	key.conn = conn_find(p->saddr, p->dqpn, MRC_DIR_RX, &cid, &c) ? MRC_MAX_CONNS : cid;
+	if (key.conn != MRC_MAX_CONNS) {
+		/* the plane this data came in on: our feedback goes back on it (spray) */
+		k = ctx->ingress_ifindex;
+		pidx = mrc_ifplane.lookup(&k);
+		if (pidx && *pidx < MRC_MAX_PLANES && c->rx_plane != *pidx + 1)
+			c->rx_plane = *pidx + 1;
+	}
 	key.ev = p->ev;
 	rc = mrc_rxev.lookup(&key);
 	if (!rc) {
@@ -655,7 +673,7 @@ int mrc_ingress(struct xdp_md *ctx)
 
 	if (mrc_is_data(p.opcode)) {
 		ctr_inc(MRC_C_ING_DATA);
-		count_rx_data(&p);
+		count_rx_data(ctx, &p);
 	} else if (p.opcode == MRC_OP_SACK) {
 		__u8 *h = mrc_ext(ctx, &p, MRC_SETH_LEN);
 

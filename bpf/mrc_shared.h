@@ -263,6 +263,12 @@ struct mrc_conn {
 	                         * (rtt - min_rtt), gain 1/8 per sample (TS units) */
 	__u64 min_rtt_ns;       /* bpf_ktime_get_ns() when min_rtt was taken (it ages out after
 	                         * MRC_MIN_RTT_WLEN_NS) */
+	__u32 rx_plane;         /* 1 + the plane the peer's newest data arrived on (ingress);
+	                         * 0 = none yet.  Our SACKs and NACKs go back on that plane
+	                         * first: it is alive towards us, and a plane whose NIC or
+	                         * link died at either end carries nothing to us once the
+	                         * peer has retired it, so our feedback avoids it too */
+	__u32 rsvd;
 };
 
 struct mrc_ev {

@@ -12,7 +12,7 @@ import collections
 import pytest
 
 from helpers import (CONN_A, CONN_B, DSCP_CTRL, DSCP_DATA, DSCP_RTX, HOP_LIMIT, LOCAL,
-                     PEER_A, PEER_B, QPN_A_LOCAL, QPN_A_REMOTE, SRV6_SRC, STRANGER,
+                     PEER_A, PEER_B, QPN_A_LOCAL, QPN_A_REMOTE, QPN_B_LOCAL, SRV6_SRC, STRANGER,
                      TEMPLATES, XDP_DROP, XDP_REDIRECT, data, frame_of,
                      set_flowlabel, spray_rewrite, srv6_da, srv6_push, xdp_name)
 from mrc_xdp.datapath import wire
@@ -514,3 +514,56 @@ def test_spray_plane_out_of_rotation_fallback_and_all_down(datapath):
     assert ret == XDP_DROP
     assert d == {"spray_rx": 1, "spray_no_ev": 1}
     env.use("ecmp")
+
+
+def _sprayed_plane(env, frame) -> int:
+    ret, out = env.run("spray", frame)
+    assert ret == XDP_REDIRECT, xdp_name(ret)
+    return env.plane_of_macs(out)
+
+
+def _rx_plane(env, cid: int) -> int:
+    from mrc_xdp.datapath import shared
+    return shared.from_bytes("struct mrc_conn", env.maps["mrc_conns"].lookup(cid)).rx_plane
+
+
+def _repeated(frame: bytes) -> bytes:
+    """The frame with BTH RTX set (the engine's second copy of a SACK), ICRC redone."""
+    f = bytearray(frame)
+    f[14 + 40 + 8 + 8] |= const("MRC_BTH_B8_RTX")
+    return bytes(f[:14]) + wire.add_icrc(bytes(f[14:-4]))
+
+
+def test_feedback_goes_back_on_the_plane_the_peers_data_came_in_on(datapath):
+    """Ingress remembers the plane the peer's newest data arrived on (mrc_conn.rx_plane);
+    spray sends our SACKs, NACKs and ACKs to that peer on it (a plane that died at either
+    end carries no data to us once the peer has retired it, so our feedback avoids it
+    too), a repeated SACK (RTX) on the next plane, and our own data keeps its round robin.
+    A plane out of rotation is never used for feedback."""
+    from mrc_xdp.datapath import maps as libmaps
+    env = datapath.use("ecmp")
+    sack = frame_of("sack", LOCAL, PEER_A, QPN_A_REMOTE, psn=5)
+    ctrl = [sack, frame_of("nack", LOCAL, PEER_A, QPN_A_REMOTE, psn=5),
+            frame_of("ack", LOCAL, PEER_A, QPN_A_REMOTE, psn=5)]
+    # nothing received yet: feedback takes turns like everything else
+    assert {_sprayed_plane(env, sack) for _ in range(4)} == {0, 1}
+    assert _rx_plane(env, CONN_A) == 0
+    for plane in (1, 0, 1):
+        inbound = frame_of("data", PEER_A, LOCAL, QPN_A_LOCAL, psn=3)
+        ret, _ = env.run("ingress", inbound, ifindex=env.ifindex["p%d" % plane])
+        assert ret == XDP_REDIRECT, xdp_name(ret)
+        assert _rx_plane(env, CONN_A) == plane + 1
+        assert [_sprayed_plane(env, f) for f in ctrl * 3] == [plane] * 9
+        assert _sprayed_plane(env, _repeated(sack)) == 1 - plane
+        planes, _ = _spray_planes(env, 8)                 # data: the round robin, untouched
+        assert dict(planes) == {0: 4, 1: 4}, planes
+    # the plane feedback would take is out of rotation: the other one
+    assert libmaps.set_plane_down(env.maps["mrc_planes"], 1, True)
+    try:
+        assert [_sprayed_plane(env, f) for f in ctrl] == [0] * 3
+    finally:
+        libmaps.set_plane_down(env.maps["mrc_planes"], 1, False)
+    # data of another connection's peer says nothing about connection A's
+    inbound_b = frame_of("data", PEER_B, LOCAL, QPN_B_LOCAL, psn=3)
+    env.run("ingress", inbound_b, ifindex=env.ifindex["p0"])
+    assert _rx_plane(env, CONN_A) == 2

@@ -1016,7 +1016,7 @@ static inline void rcv_set(struct qp *q, uint32_t psn, int v)
 }
 
 /* One SACK frame whose bitmap starts at base; 0 if it went out. */
-static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m)
+static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m, int repeat)
 {
 	uint32_t frame_len = OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN + MRC_ICRC_LEN;
 	uint32_t cack = q->rcv_cack, trig = q->ack_psn, i, d;
@@ -1040,7 +1040,7 @@ static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m
 		aoff = (int16_t)-(int32_t)(PSN_MASK + 1 - d > 32768 ? 32768 : PSN_MASK + 1 - d);
 	soff = (int16_t)psn_sub(base, cack);
 	build_hdrs(e, q, f, frame_len - OFF_UDP, (uint8_t)(e->o.dscp_ctrl << 2), MRC_OP_SACK, q->rqpn,
-		   0, 0, cack);
+		   0, repeat ? MRC_BTH_B8_RTX : 0, cack);
 	h = f + OFF_EXT;
 	memset(h, 0, MRC_SETH_LEN + MRC_CCSTATE_LEN);
 	h[1] = (uint8_t)((with_m && q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
@@ -1069,18 +1069,19 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 {
 	uint32_t d = psn_sub(q->ack_psn, q->rcv_cack);
 
-	if (sack_frame(e, q, q->rcv_cack, 1))
+	if (sack_frame(e, q, q->rcv_cack, 1, 0))
 		return;
 	if (d >= 64 && d < PSN_HALF)
-		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0);
+		sack_frame(e, q, (q->ack_psn - 63) & PSN_MASK, 0, 0);
 	/* A duplicate says the sender did not hear our last SACK (or its packet was late),
 	 * and an RTO probe (RTX with AckReq) that it heard nothing for a while: say it
-	 * twice.  Spray gives a connection's consecutive frames to different planes, so
-	 * with a plane (or a T1) dead one of the two gets through; without it the sender's
-	 * RTO probe and our answer each cross the dead plane half the time, and a QP could
-	 * spend its retry budget on coin tosses. */
+	 * twice.  Spray sends our feedback on the plane the peer's newest data came in on,
+	 * and the second copy (RTX set) on the next plane, so with a plane (or a T1) dead
+	 * one of the two gets through; without it the sender's RTO probe and our answer
+	 * each cross the dead plane half the time, and a QP could spend its retry budget on
+	 * coin tosses. */
 	if (q->ack_dup)
-		sack_frame(e, q, q->rcv_cack, 1);
+		sack_frame(e, q, q->rcv_cack, 1, 1);
 	q->ack_dup = 0;
 	q->ack_pending = 0;
 	q->ack_now = 0;
