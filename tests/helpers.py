@@ -340,7 +340,7 @@ class Env:
             self._ring.close()
             self._ring = None
         if self.dp is not None:
-            self.dp.bpf.cleanup()
+            self.dp.close()
             self.dp = None
         netns.delete(self.ns)
 

@@ -216,6 +216,7 @@ int bench_forward(struct xdp_md *ctx)
 	void *data, *data_end;
 	__u32 reason, cid, k;
 	__u16 old_sport, new_sport;
+	int icrc_frag = 0;
 
 	if (!cfg)
 		return XDP_PASS;
@@ -249,7 +250,7 @@ int bench_forward(struct xdp_md *ctx)
 		udp->source = bpf_htons(new_sport);
 		if (udp->check)
 			udp->check = bpf_htons(udp_csum_replace16(bpf_ntohs(udp->check), old_sport, new_sport));
-		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport))
+		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport, &icrc_frag))
 			return XDP_DROP;
 	}
 	data = (void *)(long)ctx->data;
