@@ -319,15 +319,24 @@ def test_update_keeps_other_settings(lm):
     assert lm.get(IFX)["blackhole"] is False and lm.get(IFX)["loss_ppm"] == 5
 
 
-def test_next_program_tail_call(lm):
-    from mrc_xdp.datapath import kheaders
+def _nxt(mode: str):
+    """A next program returning XDP_TX, loaded frags-aware ('on') or single-buffer ('off')."""
+    from mrc_xdp.datapath import kheaders, progload
     kheaders.ensure()
     from bcc import BPF
-    b = BPF(text=b"int nxt(struct xdp_md *ctx) { return XDP_TX; }")
-    fn = b.load_func(b"nxt", BPF.XDP)
+    return progload.build(lambda extra: BPF(text=b"int nxt(struct xdp_md *ctx) { return XDP_TX; }"),
+                          ["nxt"], mode)
+
+
+def test_next_program_tail_call(lm):
+    nxt = _nxt("on" if lm.frags else "off")     # the prog array takes only the model's path
+    other = _nxt("off" if lm.frags else "on")
     configure(lm)
     f, _ = mrc_frame()
-    lm.set_next(IFX, 3, fn.fd)
+    with pytest.raises(lmod.LinkModelError, match="both be frags-aware or both"):
+        lm.set_next(IFX, 3, other.progs["nxt"].fd)
+    other.close()
+    lm.set_next(IFX, 3, nxt.progs["nxt"].fd)
     assert run(lm, f)[0] == bpfsys.XDP_TX
     configure(lm, blackhole=True, next_prog=4)      # a drop is final
     assert run(lm, f)[0] == bpfsys.XDP_DROP

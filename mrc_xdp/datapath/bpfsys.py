@@ -119,13 +119,22 @@ def _check(rc: int, what: str) -> int:
     return rc
 
 
+TEST_RUN_LINEAR_MAX = 4096 - 256 - 320   # page - XDP_PACKET_HEADROOM - skb_shared_info
+
+
 def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
-                  rx_queue: int = 0, out_size: int = 0):
+                  rx_queue: int = 0, out_size: int = 0, linear: int | None = None):
     """Run an XDP program on one frame. Returns (retval, output bytes, duration ns/run).
 
     Use repeat=1 for correctness (the kernel reuses the buffer across repeats) and a
     large repeat only for timing.  ifindex sets xdp_md.ingress_ifindex (it must name a
     device in the caller's network namespace).
+
+    Multi-buffer frames (net/bpf/test_run.c): a frame longer than TEST_RUN_LINEAR_MAX
+    (3520 B with 4 KiB pages) is given to the program as that many linear bytes plus
+    page-sized frags, whatever the program's frags flag.  linear (xdp_md.data_end) asks
+    for a shorter linear part; kernels before that feature (6.18 has it) want data_end
+    equal to the frame's length and refuse it with EINVAL.
     """
     out = ffi.new("unsigned char[]", out_size or (len(data) + 512))
     opts = ffi.new("struct bpf_test_run_opts *")
@@ -137,9 +146,9 @@ def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
     opts.data_size_out = len(out)
     opts.repeat = repeat
     ctx = None
-    if ifindex or rx_queue:
+    if ifindex or rx_queue or linear is not None:
         ctx = ffi.new("struct xdp_md_ctx *")
-        ctx.data_end = len(data)
+        ctx.data_end = len(data) if linear is None else linear
         ctx.ingress_ifindex = ifindex
         ctx.rx_queue_index = rx_queue
         opts.ctx_in = ctx
