@@ -4,8 +4,8 @@ choice between the frags-aware and the single-buffer programs (progload).
 BPF_PROG_TEST_RUN gives a program a multi-buffer frame when the frame is longer than
 one page minus the XDP headroom and skb_shared_info (3520 B with 4 KiB pages): that many
 bytes linear, the rest in page-sized frags.  xdp_md.data_end smaller than the frame
-asks for a shorter linear part (Linux 6.18 has it; older kernels want data_end equal
-to the frame's length and refuse: those cases skip).  Expected outputs are computed as
+asks for a shorter linear part (6.1 and 6.18 take it; a kernel that wants data_end equal
+to the frame's length refuses it: those cases skip).  Expected outputs are computed as
 in the other tier-1 tests (helpers.py): the ICRC by zlib over the masked packet, the
 UDP checksum recomputed in full, never by the datapath's own update.
 """
@@ -52,7 +52,7 @@ def _run(env, prog, frame, linear=None, ifindex=None):
     except bpfsys.BpfError as e:
         if linear is not None and e.errno == errno.EINVAL:
             pytest.skip("this kernel's test_run takes no linear part shorter than the frame "
-                        "(xdp_md.data_end < data_size_in: Linux 6.18+)")
+                        "(xdp_md.data_end < data_size_in)")
         raise
 
 

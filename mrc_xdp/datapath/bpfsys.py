@@ -133,8 +133,8 @@ def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
     Multi-buffer frames (net/bpf/test_run.c): a frame longer than TEST_RUN_LINEAR_MAX
     (3520 B with 4 KiB pages) is given to the program as that many linear bytes plus
     page-sized frags, whatever the program's frags flag.  linear (xdp_md.data_end) asks
-    for a shorter linear part; kernels before that feature (6.18 has it) want data_end
-    equal to the frame's length and refuse it with EINVAL.
+    for a shorter linear part (6.1 and 6.18 take it; a kernel that wants data_end equal
+    to the frame's length refuses it with EINVAL).
     """
     out = ffi.new("unsigned char[]", out_size or (len(data) + 512))
     opts = ffi.new("struct bpf_test_run_opts *")
