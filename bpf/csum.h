@@ -67,13 +67,27 @@ static __always_inline void udp_csum_trailer(struct udphdr *udp, struct mrc_pkt 
 	udp->check = bpf_htons(c);
 }
 
+static __always_inline __u32 icrc_apply(__u32 v, __u32 delta)
+{
+#if (MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
+    (!MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
+	return v ^ delta;
+#else
+	return v ^ __builtin_bswap32(delta);
+#endif
+}
+
 /*
- * Apply the ICRC change of sport old -> new, by direct packet access (and keep a
- * non-zero UDP checksum valid across the trailer change).  udp: the frame's UDP
- * header, already bounds-checked.  Returns 0, or -1 if out of table or frame.
+ * Apply the ICRC change of sport old -> new (and keep a non-zero UDP checksum valid
+ * across the trailer change): by direct packet access when the trailer is in the
+ * linear part; in a multi-buffer frame (MRC_FRAGS, p->frags) whose trailer lies beyond
+ * it, through bpf_xdp_load_bytes / bpf_xdp_store_bytes at its offset in the whole frame
+ * (*in_frag = 1).  udp: the frame's UDP header, already bounds-checked.  Returns 0, or
+ * -1 if out of table or frame.
  */
 static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt *p,
-					     struct udphdr *udp, __u16 old_sport, __u16 new_sport)
+					     struct udphdr *udp, __u16 old_sport, __u16 new_sport,
+					     int *in_frag)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
@@ -93,15 +107,22 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 	if (off > 0x3FFF)
 		return -1;
 	trailer = data + off;
-	if ((void *)(trailer + 1) > data_end)
-		return -1;
-	old = v = *trailer;
-#if (MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
-    (!MRC_ICRC_LITTLE_ENDIAN && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__)
-	v ^= delta;
+	if ((void *)(trailer + 1) > data_end) {
+#if MRC_FRAGS
+		if (!p->frags || bpf_xdp_load_bytes(ctx, off, &old, MRC_ICRC_LEN))
+			return -1;
+		v = icrc_apply(old, delta);
+		udp_csum_trailer(udp, p, old, v);   /* before the store: udp stays valid */
+		if (bpf_xdp_store_bytes(ctx, off, &v, MRC_ICRC_LEN))
+			return -1;
+		*in_frag = 1;
+		return 0;
 #else
-	v ^= __builtin_bswap32(delta);
+		return -1;
 #endif
+	}
+	old = v = *trailer;
+	v = icrc_apply(v, delta);
 	*trailer = v;
 	udp_csum_trailer(udp, p, old, v);
 	return 0;

@@ -14,6 +14,10 @@
  *     q > ecn_bytes, MRC, ECT(0)/ECT(1)       -> CE in the outer traffic class
  *   and adds its (possibly trimmed) length to the backlog.
  * Frames that are not IPv6/UDP to udp_port are counted and queued, never modified.
+ * Multi-buffer frames (MRC_FRAGS, frags.h): lengths are the whole frame's; headers are
+ * parsed only in the linear part (a frame whose headers are not all there is not MRC
+ * here, queued unchanged), and a trim keeps headers that are linear and shrinks the
+ * frags away with bpf_xdp_adjust_tail.
  * After a pass verdict, cfg.next_prog != 0 tail-calls mrc_lnext[next_prog - 1]
  * (a host's datapath ingress program sharing the same device).
  *
@@ -25,6 +29,7 @@
 #include <linux/ipv6.h>
 #include <linux/udp.h>
 #include "mrc_shared.h"
+#include "frags.h"
 
 /* Declared with the header's names; bcc cannot rewrite map calls spelled through a
  * macro, so calls below use the expanded names (a mismatch fails to compile). */
@@ -164,7 +169,7 @@ int MRC_PROG_LINK(struct xdp_md *ctx)
 		if (!c)
 			return XDP_PASS;
 	}
-	p.len = data_end - data;
+	p.len = mrc_frame_len(ctx);     /* linear part + frags */
 	c->pkts++;
 	c->bytes += p.len;
 	lm_parse(data, data_end, cfg->udp_port, &p);

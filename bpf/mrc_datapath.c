@@ -115,7 +115,7 @@ int mrc_spray(struct xdp_md *ctx)
 	__u32 reason, cid, slot, plane, k;
 	__u16 old_sport, new_sport, ts = 0;
 	__u8 tc;
-	int rc;
+	int rc, icrc_frag = 0;
 
 	if (!cfg)
 		return XDP_PASS;
@@ -203,11 +203,13 @@ int mrc_spray(struct xdp_md *ctx)
 			udp->check = bpf_htons(udp_csum_replace16(bpf_ntohs(udp->check), old_sport, new_sport));
 			ctr_inc(MRC_C_SPRAY_CSUM_FIX);
 		}
-		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport)) {
+		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport, &icrc_frag)) {
 			ctr_inc(MRC_C_BAD_TOO_LONG);
 			return XDP_DROP;
 		}
 		ctr_inc(MRC_C_SPRAY_ICRC_FIX);
+		if (icrc_frag)
+			ctr_inc(MRC_C_SPRAY_ICRC_FRAG);
 	}
 
 	if (cfg->mode == MRC_MODE_SRV6) {
@@ -266,6 +268,11 @@ int mrc_spray(struct xdp_md *ctx)
 		ec->tx_bytes += p.pkt_len;
 	}
 	ctr_inc(MRC_C_SPRAY_TX);
+#if MRC_FRAGS
+	if (p.frags)            /* the whole frame, frags included */
+		ctr_add(MRC_C_SPRAY_BYTES, mrc_frame_len(ctx));
+	else
+#endif
 	ctr_add(MRC_C_SPRAY_BYTES, (long)data_end - (long)data);
 	return mrc_ports.redirect_map(plane, 0);
 }

@@ -471,6 +471,13 @@ enum mrc_ctr {
 	MRC_C_RETIRE_ALWAYS,        /* SACK M=ALWAYS_SKIP */
 	MRC_C_RETIRE_PROBE,         /* user space, MRC_R_PROBE_FAIL: the daemon's probes */
 	MRC_C_RETIRE_OPERATOR,      /* user space, MRC_R_OPERATOR: deny */
+	/* multi-buffer frames (frags-aware programs only, docs/datapath.md): */
+	MRC_C_NON_MRC_FRAG_HDR,     /* subset of NON_MRC: a multi-buffer frame whose Ethernet, IPv6,
+	                             * UDP headers or BTH opcode are not all in its linear part */
+	MRC_C_BAD_FRAG_HDR,         /* MRC whose BTH + extension headers are not all in the linear
+	                             * part of its multi-buffer frame: counted, dropped */
+	MRC_C_SPRAY_ICRC_FRAG,      /* subset of SPRAY_ICRC_FIX: the trailer was beyond the linear
+	                             * part (bpf_xdp_load_bytes / store_bytes) */
 	MRC_C_MAX,
 };
 

@@ -15,6 +15,7 @@
 #include <linux/udp.h>
 #include <linux/in.h>
 #include "mrc_shared.h"
+#include "frags.h"
 
 #define MRC_P_OK   0
 #define MRC_P_NOT  1   /* not MRC: pass unchanged, *reason is a NON_MRC counter */
@@ -42,7 +43,7 @@ struct mrc_pkt {
 	__u8  opcode;
 	__u8  b8;               /* BTH byte 8: AckReq, RTX, TS */
 	__u8  tc;               /* traffic class of the IPv6 header carrying the UDP */
-	__u8  pad;
+	__u8  frags;            /* 1: the frame goes on beyond its linear part (MRC_FRAGS) */
 	__u32 dqpn;
 	__u32 psn;
 	__u32 ev;               /* EV read from UDP sport + flow label */
@@ -101,9 +102,24 @@ static __always_inline __u8 ipv6_tc(struct ipv6hdr *ip6)
 	return (ip6->priority << 4) | (ip6->flow_lbl[0] >> 4);
 }
 
+/* A header of a frame that is not MRC (yet) runs past the linear part: a runt, or (frags)
+ * a multi-buffer frame whose headers are not all linear.  Either way not MRC, passed
+ * unchanged; the second is counted. */
+static __always_inline int mrc_not_linear(struct xdp_md *ctx, __u32 *reason)
+{
+	if (mrc_has_frags(ctx))
+		*reason = MRC_C_NON_MRC_FRAG_HDR;
+	return MRC_P_NOT;
+}
+
 /*
  * allow_encap: an IPv6-in-IPv6 frame (next header 41) is parsed through to the
  * inner header (SRv6 ingress); otherwise it is not MRC.
+ *
+ * Multi-buffer frames (MRC_FRAGS): every header up to the last extension header must be
+ * in the linear part.  p->pkt_len is the linear length unless the IPv6 payload length
+ * says the packet goes on beyond it; only then is the whole frame's length asked for
+ * (one helper call; p->frags = 1), so linear frames pay nothing for frags support.
  */
 static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u16 udp_port,
 				     int allow_encap, __u32 *reason)
@@ -117,9 +133,10 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	__u32 plen, outer_plen;
 
 	p->pkt_len = data_end - data;
+	p->frags = 0;
 	*reason = MRC_C_MAX;
 	if ((void *)(eth + 1) > data_end)
-		return MRC_P_NOT;
+		return mrc_not_linear(ctx, reason);
 	if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD)) {
 		*reason = MRC_C_NON_MRC_VLAN;
 		return MRC_P_NOT;
@@ -133,7 +150,7 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 
 	ip6 = data + MRC_ETH_LEN;
 	if ((void *)(ip6 + 1) > data_end)
-		return MRC_P_NOT;
+		return mrc_not_linear(ctx, reason);
 	p->outer = 0;
 	p->l3_off = MRC_ETH_LEN;
 	outer_plen = bpf_ntohs(ip6->payload_len);
@@ -142,7 +159,7 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 			return MRC_P_NOT;
 		ip6 = data + MRC_ETH_LEN + MRC_IPV6_LEN;
 		if ((void *)(ip6 + 1) > data_end)
-			return MRC_P_NOT;
+			return mrc_not_linear(ctx, reason);
 		p->outer = 1;
 		p->l3_off = MRC_ETH_LEN + MRC_IPV6_LEN;
 	}
@@ -155,13 +172,13 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	}
 	udp = (void *)(ip6 + 1);
 	if ((void *)(udp + 1) > data_end)
-		return MRC_P_NOT;
+		return mrc_not_linear(ctx, reason);
 	if (udp->dest != bpf_htons(udp_port))
 		return MRC_P_NOT;
 	/* UDP 4791 carries plain RoCEv2 too: it is MRC only with an MRC opcode. */
 	bth = (void *)(udp + 1);
 	if ((void *)(bth + 1) > data_end)
-		return MRC_P_NOT;
+		return mrc_not_linear(ctx, reason);
 	if (!mrc_is_opcode(bth[0])) {
 		*reason = MRC_C_NON_MRC_ROCE;
 		return MRC_P_NOT;
@@ -172,8 +189,18 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 	p->udp_len = bpf_ntohs(udp->len);
 	plen = bpf_ntohs(ip6->payload_len);
 	if (p->l3_off + MRC_IPV6_LEN + plen > p->pkt_len) {
+#if MRC_FRAGS
+		/* longer than the linear part: the rest may be in frags */
+		p->pkt_len = mrc_frame_len(ctx);
+		p->frags = 1;
+		if (p->l3_off + MRC_IPV6_LEN + plen > p->pkt_len) {
+			*reason = MRC_C_BAD_TRUNC_IPV6;
+			return MRC_P_BAD;
+		}
+#else
 		*reason = MRC_C_BAD_TRUNC_IPV6;
 		return MRC_P_BAD;
+#endif
 	}
 	if (p->outer && outer_plen != MRC_IPV6_LEN + plen) {   /* outer must hold the inner packet */
 		*reason = MRC_C_BAD_SRV6;
@@ -187,8 +214,8 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		*reason = MRC_C_BAD_TRUNC_BTH;
 		return MRC_P_BAD;
 	}
-	if ((void *)(bth + MRC_BTH_LEN) > data_end) {  /* implied by the checks above */
-		*reason = MRC_C_BAD_TRUNC_BTH;
+	if ((void *)(bth + MRC_BTH_LEN) > data_end) {  /* implied by the checks above, */
+		*reason = p->frags ? MRC_C_BAD_FRAG_HDR : MRC_C_BAD_TRUNC_BTH;  /* linear frames */
 		return MRC_P_BAD;
 	}
 	p->opcode = bth[0];
@@ -200,6 +227,13 @@ static __always_inline int mrc_parse(struct xdp_md *ctx, struct mrc_pkt *p, __u1
 		*reason = MRC_C_BAD_TRUNC_EXT;
 		return MRC_P_BAD;
 	}
+#if MRC_FRAGS
+	/* the extension headers too must be linear (a linear frame: implied above) */
+	if (p->frags && p->udp_off + sizeof(*udp) + p->ext_len > (__u32)(data_end - data)) {
+		*reason = MRC_C_BAD_FRAG_HDR;
+		return MRC_P_BAD;
+	}
+#endif
 	/* Re-read what callers use: fresh loads carry none of the range facts the checks
 	 * above attached to each opcode's path, so the verifier merges those paths instead
 	 * of verifying everything after parsing once per opcode.  (Same bytes, no writes

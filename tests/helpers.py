@@ -340,7 +340,7 @@ class Env:
             self._ring.close()
             self._ring = None
         if self.dp is not None:
-            self.dp.bpf.cleanup()
+            self.dp.close()
             self.dp = None
         netns.delete(self.ns)
 
@@ -394,22 +394,25 @@ class Env:
         return shared.from_bytes("struct mrc_config", self.maps["mrc_cfg"].lookup(0))
 
     # -- running programs
-    def run(self, prog: str, frame: bytes, ifindex: int | None = None):
+    def run(self, prog: str, frame: bytes, ifindex: int | None = None, linear: int | None = None):
         """(retval, output) of one BPF_PROG_TEST_RUN, repeat 1.  ingress runs as if the
-        frame arrived on p0 and to_engine as if on mrc0, unless ifindex says otherwise."""
+        frame arrived on p0 and to_engine as if on mrc0, unless ifindex says otherwise.
+        linear: bytes in the linear part of a multi-buffer frame (bpfsys.prog_test_run)."""
         if ifindex is None:
             ifindex = {"ingress": self.ifindex["p0"], "engine": self.ifindex["mrc0"]}.get(prog, 0)
         if ifindex:
             with netns.enter(self.ns):
-                ret, out, _ = bpfsys.prog_test_run(self.dp.fd(prog), frame, ifindex=ifindex)
+                ret, out, _ = bpfsys.prog_test_run(self.dp.fd(prog), frame, ifindex=ifindex,
+                                                   linear=linear)
         else:
-            ret, out, _ = bpfsys.prog_test_run(self.dp.fd(prog), frame)
+            ret, out, _ = bpfsys.prog_test_run(self.dp.fd(prog), frame, linear=linear)
         return ret, out
 
-    def run_counted(self, prog: str, frame: bytes, ifindex: int | None = None):
+    def run_counted(self, prog: str, frame: bytes, ifindex: int | None = None,
+                    linear: int | None = None):
         """(retval, output, counter deltas by name) of one run."""
         before = self.counters()
-        ret, out = self.run(prog, frame, ifindex)
+        ret, out = self.run(prog, frame, ifindex, linear)
         return ret, out, delta(before, self.counters())
 
     def counters(self) -> dict[str, int]:

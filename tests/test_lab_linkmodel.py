@@ -319,15 +319,24 @@ def test_update_keeps_other_settings(lm):
     assert lm.get(IFX)["blackhole"] is False and lm.get(IFX)["loss_ppm"] == 5
 
 
-def test_next_program_tail_call(lm):
-    from mrc_xdp.datapath import kheaders
+def _nxt(mode: str):
+    """A next program returning XDP_TX, loaded frags-aware ('on') or single-buffer ('off')."""
+    from mrc_xdp.datapath import kheaders, progload
     kheaders.ensure()
     from bcc import BPF
-    b = BPF(text=b"int nxt(struct xdp_md *ctx) { return XDP_TX; }")
-    fn = b.load_func(b"nxt", BPF.XDP)
+    return progload.build(lambda extra: BPF(text=b"int nxt(struct xdp_md *ctx) { return XDP_TX; }"),
+                          ["nxt"], mode)
+
+
+def test_next_program_tail_call(lm):
+    nxt = _nxt("on" if lm.frags else "off")     # the prog array takes only the model's path
+    other = _nxt("off" if lm.frags else "on")
     configure(lm)
     f, _ = mrc_frame()
-    lm.set_next(IFX, 3, fn.fd)
+    with pytest.raises(lmod.LinkModelError, match="both be frags-aware or both"):
+        lm.set_next(IFX, 3, other.progs["nxt"].fd)
+    other.close()
+    lm.set_next(IFX, 3, nxt.progs["nxt"].fd)
     assert run(lm, f)[0] == bpfsys.XDP_TX
     configure(lm, blackhole=True, next_prog=4)      # a drop is final
     assert run(lm, f)[0] == bpfsys.XDP_DROP
@@ -335,3 +344,51 @@ def test_next_program_tail_call(lm):
     assert run(lm, f)[0] == bpfsys.XDP_DROP
     configure(lm)
     assert run(lm, f)[0] == bpfsys.XDP_PASS
+
+
+# ------------------------------------------------------------------ multi-buffer frames
+def _need_frags(lm):
+    if not lm.frags:
+        pytest.skip("the link model was built single-buffer (MRC_XDP_FRAGS / kernel)")
+
+
+def test_multibuffer_frame_counted_whole(lm):
+    """A frame longer than test_run's linear part (3520 B) is a linear part plus frags:
+    the queue and the counters take its whole length; it passes unchanged."""
+    _need_frags(lm)
+    configure(lm)
+    f, _ = mrc_frame(payload_len=5000)
+    assert len(f) > bpfsys.TEST_RUN_LINEAR_MAX
+    assert run(lm, f) == (bpfsys.XDP_PASS, f)
+    c = ctr(lm)
+    assert (c["pkts"], c["bytes"], c["mrc_pkts"]) == (1, len(f), 1)
+    assert lm.state(IFX)["backlog"] == len(f)
+
+
+def test_multibuffer_marked(lm):
+    _need_frags(lm)
+    configure(lm, backlog=40000)
+    f, _ = mrc_frame(payload_len=8000, ecn=2)
+    ret, out = run(lm, f)
+    exp = bytearray(f)
+    exp[15] |= 0x30
+    assert (ret, out) == (bpfsys.XDP_PASS, bytes(exp))
+    assert ctr(lm)["marked"] == 1
+
+
+@pytest.mark.parametrize("srv6", [False, True])
+def test_multibuffer_trim_keeps_headers(lm, srv6):
+    """Trimmed to headers + the 4-byte stand-in: the frags are shrunk away."""
+    _need_frags(lm)
+    configure(lm, backlog=70000)
+    f, hdr = mrc_frame(payload_len=9000, srv6=srv6, ecn=2)
+    small, _ = mrc_frame(payload_len=1000, srv6=srv6, ecn=2)
+    ret, out = run(lm, f)
+    ret_s, out_s = run(lm, small)        # the same trim of a linear frame
+    assert ret == ret_s == bpfsys.XDP_PASS
+    assert len(out) == hdr + 4
+    n = 14 + (80 if srv6 else 40) + 8
+    # equal but for the RETH DMA length (payload_len) the builder put in the header
+    assert out[:n + 28] == out_s[:n + 28] and out[n + 32:] == out_s[n + 32:]
+    c = ctr(lm)
+    assert (c["trimmed"], c["bytes"]) == (2, len(f) + len(small))

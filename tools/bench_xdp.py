@@ -122,6 +122,10 @@ C_SKIP = "ingress SACK M=SKIP_ONCE, GOOD->SKIP"
 C_DECAP = "ingress SRv6 decap + data, 1 KB"
 C_ING6 = "ingress data, 1 KB, SRv6 mode, no outer"
 C_FWD = "bare forwarder, 1 KB (parse, conn lookup, fixed EV, rewrite, redirect)"
+SINGLE = " [single-buffer]"            # --compare-single: the same case on MRC_XDP_FRAGS=0 programs
+C_SPRAY_MB = "spray ECMP, 4 KB payload, multi-buffer"     # frags path: linear 3520 B + a frag
+C_ING_MB = "ingress data, 4 KB payload, multi-buffer"
+PAYLOAD_MB = 4096
 
 # Appended to a copy of the amalgamated datapath source; %(spray)s and %(ingress)s are the
 # bodies of mrc_spray and mrc_ingress, renamed.  Loaded for test runs only.
@@ -216,6 +220,7 @@ int bench_forward(struct xdp_md *ctx)
 	void *data, *data_end;
 	__u32 reason, cid, k;
 	__u16 old_sport, new_sport;
+	int icrc_frag = 0;
 
 	if (!cfg)
 		return XDP_PASS;
@@ -249,7 +254,7 @@ int bench_forward(struct xdp_md *ctx)
 		udp->source = bpf_htons(new_sport);
 		if (udp->check)
 			udp->check = bpf_htons(udp_csum_replace16(bpf_ntohs(udp->check), old_sport, new_sport));
-		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport))
+		if (icrc_update_sport(ctx, &p, udp, old_sport, new_sport, &icrc_frag))
 			return XDP_DROP;
 	}
 	data = (void *)(long)ctx->data;
@@ -377,17 +382,21 @@ class Bench:
 
     def __init__(self):
         from bcc import BPF
-        from mrc_xdp.datapath import bpfsrc, kheaders
-        from mrc_xdp.datapath.loader import Datapath
+        from mrc_xdp.datapath import bpfsrc, kheaders, progload
+        from mrc_xdp.datapath.loader import PROGS, Datapath
         kheaders.ensure()
+        src = bench_source()
         try:
-            self.bpf = BPF(text=bench_source(), cflags=bpfsrc.CFLAGS)
+            # one path for all (the devmap takes programs of one kind): the datapath's
+            built = progload.build(lambda extra: BPF(text=src, cflags=bpfsrc.CFLAGS + extra),
+                                   list(PROGS.values()) + list(self.PROGS))
         except BenchError:
             raise
         except Exception as e:
             raise BenchError("compiling the repeat-safe copies failed: %s" % e) from e
-        self.dp = Datapath(self.bpf)
-        self.fds = {p: self.bpf.load_func(p.encode(), BPF.XDP).fd for p in self.PROGS}
+        self.bpf = built.bpf
+        self.dp = Datapath(built)
+        self.fds = {p: built.progs[p].fd for p in self.PROGS}
         from mrc_xdp.datapath import bpfsys
         self.outer = bpfsys.Map(self.bpf[b"bench_outer"].map_fd, "bench_outer", owns_fd=False)
         self._mode = None
@@ -462,6 +471,7 @@ def build_runs(dps, cfgs, ifx, bench, probe):
     from mrc_xdp.datapath.shared import SackM
 
     ecmp, srv6 = dps["ecmp"], dps["srv6"]
+    single = dps.get("single")
     active, _ = cfgs["ecmp"].connections[0].ev_sets(2)
     evs = {e.ev for pl in active for e in pl}
     ev0 = active[0][0].ev                    # in slot 0 of connection 0 (bench_reset)
@@ -523,6 +533,20 @@ def build_runs(dps, cfgs, ifx, bench, probe):
                 counter=(bench.dp, "SPRAY_SRV6_ENCAP")))
         f = rx_data(n)
         add(Run(C_ING % label, ecmp.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
+                check=same_len(f), counter=(ecmp, "ING_DATA")))
+        if single is not None:      # the same frames, single-buffer programs, same rounds
+            f = tx_data(n)
+            add(Run(C_SPRAY % label + SINGLE, single.fd("spray"), f, ifx_fab, XDP_REDIRECT,
+                    check=sprayed(f, 0), counter=(single, "SPRAY_ICRC_FIX")))
+            f = rx_data(n)
+            add(Run(C_ING % label + SINGLE, single.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
+                    check=same_len(f), counter=(single, "ING_DATA")))
+    if ecmp.frags:                  # a frame longer than test_run's linear part: linear + frags
+        f = tx_data(PAYLOAD_MB)
+        add(Run(C_SPRAY_MB, ecmp.fd("spray"), f, ifx_fab, XDP_REDIRECT,
+                check=sprayed(f, 0), counter=(ecmp, "SPRAY_ICRC_FRAG")))
+        f = rx_data(PAYLOAD_MB)
+        add(Run(C_ING_MB, ecmp.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
                 check=same_len(f), counter=(ecmp, "ING_DATA")))
     f = wire.data_frame(LOCAL, PEER, REMOTE_QPN, PSN, b"\xab" * PAYLOAD_BIG, ts=0x1234)
     add(Run(C_SPRAY_TS % BIG, ecmp.fd("spray"), f, ifx_fab, XDP_REDIRECT,
@@ -683,6 +707,10 @@ def derive(runs, probe, small_repeat, rounds):
     u = [(p - x) / 2 for p, x in zip(v["push_eth_undo"], b)]
     for label in (BIG, SMALL):
         row(C_SPRAY % label, "spray", "direct", v[C_SPRAY % label])
+        if C_SPRAY % label + SINGLE in v:
+            row(C_SPRAY % label + SINGLE, "spray", "direct", v[C_SPRAY % label + SINGLE])
+    if C_SPRAY_MB in v:
+        row(C_SPRAY_MB, "spray", "direct", v[C_SPRAY_MB])
     row(C_SPRAY_TS % BIG, "spray", "direct", v[C_SPRAY_TS % BIG])
     for label in (BIG, SMALL):
         name = C_SPRAY6 % label
@@ -695,6 +723,10 @@ def derive(runs, probe, small_repeat, rounds):
             "bench_spray(SRv6) %.1f - U %.1f - C %.1f" % (med(w), med(u), med(c)))
     for label in (BIG, SMALL):
         row(C_ING % label, "ingress", "direct", v[C_ING % label])
+        if C_ING % label + SINGLE in v:
+            row(C_ING % label + SINGLE, "ingress", "direct", v[C_ING % label + SINGLE])
+    if C_ING_MB in v:
+        row(C_ING_MB, "ingress", "direct", v[C_ING_MB])
     for name in (C_SACK, C_SACK_BM, C_SKIP_AGAIN):
         row(name, "ingress", "direct", v[name])
     sk, no = v["bench_reset SKIP_ONCE"], v["bench_reset NONE"]
@@ -811,6 +843,9 @@ def parse_args(argv):
     ap.add_argument("--budget", type=float, default=BUDGET, help="max ratio to XDP_PASS (default 4.0)")
     ap.add_argument("--no-budget", action="store_true", help="just report; exit 0 whatever the ratios")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--compare-single", action="store_true",
+                    help="also time spray and ingress (ECMP, 1 KB and 64 B) on the single-buffer "
+                         "programs (MRC_XDP_FRAGS=0) in the same rounds: the cost of frags support")
     a = ap.parse_args(argv)
     if a.repeat < 1000 or a.rounds < 1:
         ap.error("--repeat must be >= 1000 and --rounds >= 1")
@@ -841,15 +876,19 @@ def main(argv=None) -> int:
         for mode in ("ecmp", "srv6"):
             cfgs[mode] = host_config(mode)
             dps[mode] = loader.build()
-            objs.append(dps[mode].bpf)
+            objs.append(dps[mode])
+        say("programs: %s (%s)" % (dps["ecmp"].path_info["path"], dps["ecmp"].path_info["why"]))
+        if args.compare_single:
+            dps["single"] = loader.build(frags="off")
+            objs.append(dps["single"])
         bench = Bench()
-        objs.append(bench.bpf)
+        objs.append(bench.dp)
         say("creating netns %s (veths mrc0/mrc0p, p0/q0, p1/q1)" % ns)
         make_netns(ns)
         with netns.enter(ns):
             dev, ifx = dev_info()
             for mode in dps:
-                dps[mode].configure(cfgs[mode], dev)
+                dps[mode].configure(cfgs.get(mode, cfgs["ecmp"]), dev)
             bench.dp.configure(cfgs["srv6"], dev)
             ring = Rings([dps["ecmp"], bench.dp])
             probe = probe_reset(dps["srv6"], ifx["mrc0p"], ifx["p0"], cfgs["srv6"].planes[0].local_sid)
@@ -878,7 +917,7 @@ def main(argv=None) -> int:
                 ring.close()
         for o in objs:
             with contextlib.suppress(Exception):
-                o.cleanup()
+                o.close() if isinstance(o, loader.Datapath) else o.cleanup()
         with contextlib.suppress(Exception):
             if netns.exists(ns):
                 netns.delete(ns)

@@ -150,6 +150,9 @@ def cmd_status(args):
                 s.get("local_addr")))
             print("  spray    %s (%s)" % (s.get("fabric_dev"), s.get("xdp_modes", {}).get(s.get("fabric_dev"))))
             print("  engine   %s (%s)" % (s.get("app_dev"), s.get("xdp_modes", {}).get(s.get("app_dev"))))
+            if s.get("frags"):
+                print("  programs %s: %s" % ("frags-aware" if s["frags"].get("frags") else "single-buffer",
+                                             s["frags"].get("why")))
             rot = s.get("plane_rotation", [])
             for i, p in enumerate(s.get("planes", [])):
                 print("  plane %d  %s ingress (%s), next hop %s%s" % (

@@ -31,6 +31,30 @@ struct bpf_test_run_opts {
     uint32_t batch_size;
 };
 int bpf_prog_test_run_opts(int prog_fd, struct bpf_test_run_opts *opts);
+struct bpf_prog_load_opts {      /* libbpf 1.1 (Debian 12); sz says how much of it we know */
+    size_t sz;
+    int attempts;
+    int expected_attach_type;
+    uint32_t prog_btf_fd;
+    uint32_t prog_flags;
+    uint32_t prog_ifindex;
+    uint32_t kern_version;
+    uint32_t attach_btf_id;
+    uint32_t attach_prog_fd;
+    uint32_t attach_btf_obj_fd;
+    const int *fd_array;
+    const void *func_info;
+    uint32_t func_info_cnt;
+    uint32_t func_info_rec_size;
+    const void *line_info;
+    uint32_t line_info_cnt;
+    uint32_t line_info_rec_size;
+    uint32_t log_level;
+    uint32_t log_size;
+    char *log_buf;
+};
+int bpf_prog_load(int prog_type, const char *prog_name, const char *license,
+                  const void *insns, size_t insn_cnt, const struct bpf_prog_load_opts *opts);
 int bpf_obj_pin(int fd, const char *pathname);
 int bpf_obj_get(const char *pathname);
 int bpf_map_lookup_elem(int fd, const void *key, void *value);
@@ -95,13 +119,22 @@ def _check(rc: int, what: str) -> int:
     return rc
 
 
+TEST_RUN_LINEAR_MAX = 4096 - 256 - 320   # page - XDP_PACKET_HEADROOM - skb_shared_info
+
+
 def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
-                  rx_queue: int = 0, out_size: int = 0):
+                  rx_queue: int = 0, out_size: int = 0, linear: int | None = None):
     """Run an XDP program on one frame. Returns (retval, output bytes, duration ns/run).
 
     Use repeat=1 for correctness (the kernel reuses the buffer across repeats) and a
     large repeat only for timing.  ifindex sets xdp_md.ingress_ifindex (it must name a
     device in the caller's network namespace).
+
+    Multi-buffer frames (net/bpf/test_run.c): a frame longer than TEST_RUN_LINEAR_MAX
+    (3520 B with 4 KiB pages) is given to the program as that many linear bytes plus
+    page-sized frags, whatever the program's frags flag.  linear (xdp_md.data_end) asks
+    for a shorter linear part (6.1 and 6.18 take it; a kernel that wants data_end equal
+    to the frame's length refuses it with EINVAL).
     """
     out = ffi.new("unsigned char[]", out_size or (len(data) + 512))
     opts = ffi.new("struct bpf_test_run_opts *")
@@ -113,15 +146,63 @@ def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, ifindex: int = 0,
     opts.data_size_out = len(out)
     opts.repeat = repeat
     ctx = None
-    if ifindex or rx_queue:
+    if ifindex or rx_queue or linear is not None:
         ctx = ffi.new("struct xdp_md_ctx *")
-        ctx.data_end = len(data)
+        ctx.data_end = len(data) if linear is None else linear
         ctx.ingress_ifindex = ifindex
         ctx.rx_queue_index = rx_queue
         opts.ctx_in = ctx
         opts.ctx_size_in = ffi.sizeof("struct xdp_md_ctx")
     _check(lib.bpf_prog_test_run_opts(prog_fd, opts), "BPF_PROG_TEST_RUN")
     return opts.retval, bytes(ffi.buffer(out, opts.data_size_out)), opts.duration
+
+
+BPF_PROG_TYPE_XDP = 6
+BPF_XDP = 37                    # enum bpf_attach_type: expected_attach_type of an XDP program
+BPF_F_XDP_HAS_FRAGS = 1 << 5    # prog_flags: the program handles multi-buffer frames (5.18+)
+BPF_INSN_LEN = 8
+
+
+class LoadRefused(BpfError):
+    """The kernel refused a program load; .log holds the verifier's output (if any)."""
+
+    def __init__(self, err: int, msg: str, log: str = ""):
+        super().__init__(err, msg)
+        self.log = log
+
+
+def prog_load_xdp(name: str, insns: bytes, flags: int = 0, license: str = "GPL",
+                  log_size: int = 1 << 20) -> int:
+    """Load finished XDP instructions (e.g. bcc's ``BPF.dump_func``: map fds already in
+    their ld_imm64) with program flags, which bcc 0.26's Python ``load_func`` cannot pass.
+    Returns the program fd (close it yourself); LoadRefused with the verifier log when the
+    kernel says no (retried with the log on, so a good load costs one verification)."""
+    if len(insns) % BPF_INSN_LEN or not insns:
+        raise ValueError("%s: %d bytes are not whole BPF instructions" % (name, len(insns)))
+    buf = ffi.from_buffer(insns)
+    cnt = len(insns) // BPF_INSN_LEN
+
+    def _load(log):
+        opts = ffi.new("struct bpf_prog_load_opts *")
+        opts.sz = ffi.sizeof("struct bpf_prog_load_opts")
+        opts.expected_attach_type = BPF_XDP
+        opts.prog_flags = flags
+        if log is not None:
+            opts.log_level = 1
+            opts.log_size = len(log)
+            opts.log_buf = log
+        return lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name[:15].encode(), license.encode(), buf, cnt, opts)
+
+    fd = _load(None)
+    if fd >= 0:
+        return fd
+    err = -fd if fd != -1 else ffi.errno
+    log = ffi.new("char[]", log_size)
+    fd = _load(log)
+    if fd >= 0:          # a transient failure (EAGAIN past libbpf's retries): loaded now
+        return fd
+    text = ffi.string(log).decode(errors="replace")
+    raise LoadRefused(err, "load %s (prog_flags %#x): %s" % (name, flags, os.strerror(err)), text)
 
 
 def obj_pin(fd: int, path: str) -> None:

@@ -21,7 +21,6 @@ the kernel as soon as unload() has removed pins and attachments.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -225,46 +224,51 @@ def _trim_heap() -> None:
 
 
 class Datapath:
-    """A compiled datapath: the bcc object, program fds and maps (by name)."""
+    """A compiled datapath: the bcc object, program fds and maps (by name), and the path
+    its programs took (progload: .frags, .path_info)."""
 
-    def __init__(self, bpf):
-        from bcc import BPF
-        self.bpf = bpf
-        self.fns = {k: bpf.load_func(v.encode(), BPF.XDP) for k, v in PROGS.items()}
-        self.maps = {n: bpfsys.Map(bpf[n.encode()].map_fd, n, owns_fd=False) for n in DATAPATH_MAPS}
+    def __init__(self, built):
+        self.built = built
+        self.bpf = built.bpf
+        self.fns = {k: built.progs[v] for k, v in PROGS.items()}
+        self.maps = {n: bpfsys.Map(self.bpf[n.encode()].map_fd, n, owns_fd=False) for n in DATAPATH_MAPS}
+        self.frags = built.frags
+        self.path_info = built.info()
 
     def fd(self, prog: str) -> int:
         return self.fns[prog].fd
 
     def close(self) -> None:
-        """Release the bcc object: program fds, map fds, the compiled module.  Pinned and
-        attached objects live on; the rest leaves the kernel.  bcc registers cleanup()
+        """Release the bcc object and our program fds: the compiled module, maps.  Pinned
+        and attached objects live on; the rest leaves the kernel.  bcc registers cleanup()
         with atexit, which would keep every BPF object of the process alive until exit."""
-        bpf, self.bpf = self.bpf, None
+        built, self.built, self.bpf = self.built, None, None
         self.fns, self.maps = {}, {}
-        if bpf is None:
+        if built is None:
             return
-        atexit.unregister(bpf.cleanup)
-        bpf.cleanup()
-        bpf.tables.clear()
+        built.close()
         _trim_heap()
 
     def configure(self, cfg: HostConfig, dev: DevInfo) -> None:
         write_all(self.maps, cfg, dev, icrc_rows())
 
 
-def build() -> Datapath:
-    """Compile and load (not attach) the datapath programs; ~2 s."""
+def build(frags: str | None = None) -> Datapath:
+    """Compile and load (not attach) the datapath programs; ~2 s (twice that when the
+    kernel refuses the frags programs and the single-buffer ones are built instead).
+    frags: 'auto', 'on' or 'off' (default: MRC_XDP_FRAGS, see progload)."""
+    from mrc_xdp.datapath import progload
     from mrc_xdp.datapath.bpfsrc import compile_bpf
-    bpf = None
     try:
-        bpf = compile_bpf("mrc_datapath.c")
-        return Datapath(bpf)
+        built = progload.build(lambda extra: compile_bpf("mrc_datapath.c", extra),
+                               list(PROGS.values()), frags)
+        return Datapath(built)
+    except ValueError as e:          # MRC_XDP_FRAGS spelled wrong
+        raise LoadError(str(e)) from None
+    except progload.FragsRefused as e:
+        raise LoadError("%s — unset %s (or set it to 0) to load the single-buffer programs"
+                        % (e, progload.ENV)) from None
     except Exception as e:  # bcc raises bare Exception with the verifier log printed above
-        if bpf is not None:
-            atexit.unregister(bpf.cleanup)
-            with contextlib.suppress(Exception):
-                bpf.cleanup()
         raise LoadError("BPF compile/load failed: %s (the compiler or verifier output above says "
                         "why; missing kernel headers: run `make setup`)" % e) from e
 
@@ -465,6 +469,8 @@ def _load_locked(cfg, netns_name, force, xdp_mode, config_path, say) -> dict:
         dev, ifindexes = _devinfo(cfg, force)
     say("compiling datapath (bcc)")
     dp = build()
+    say("programs: %s (%s)" % ("frags-aware (multi-buffer frames)" if dp.frags else "single-buffer",
+                               dp.path_info["why"]))
     try:
         return _install(dp, cfg, dev, ifindexes, netns_name, force, xdp_mode, config_path, say, t0)
     finally:
@@ -490,6 +496,7 @@ def _install(dp, cfg, dev, ifindexes, netns_name, force, xdp_mode, config_path, 
         "ifindexes": ifindexes,
         "xdp_modes": {},
         "prog_ids": prog_ids,
+        "frags": dp.path_info,
         "connections": [{"name": c.name, "peer": c.peer, "local_qpn": c.local_qpn,
                          "remote_qpn": c.remote_qpn} for c in cfg.connections],
         "config_path": config_path,

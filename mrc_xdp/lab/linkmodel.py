@@ -69,14 +69,16 @@ def ensure_bpffs() -> None:
         raise LinkModelError("cannot mount bpffs on %s: %s" % (BPF_FS, os.strerror(e)))
 
 
-def compile_program():
-    """(bcc.BPF, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s), through
-    mrc_xdp.datapath.bpfsrc like the datapath (local headers inlined, so map calls in them work)."""
+def compile_program(frags: str | None = None):
+    """(progload.Built, program fd): bpf/linkmodel.c compiled and loaded (about 1.5 s), through
+    mrc_xdp.datapath.bpfsrc like the datapath (local headers inlined, so map calls in them work),
+    frags-aware or single-buffer by the same rule as the datapath (progload; frags: 'auto',
+    'on', 'off', default MRC_XDP_FRAGS): the host ingress programs it tail-calls through
+    mrc_lnext must take the same path, or the kernel refuses them in the prog array."""
+    from mrc_xdp.datapath import progload
     from mrc_xdp.datapath.bpfsrc import compile_bpf
-    from bcc import BPF  # late: only loaders need bcc
-    b = compile_bpf(LINKMODEL_SRC_NAME)
-    fn = b.load_func(PROG_NAME.encode(), BPF.XDP)
-    return b, fn.fd
+    built = progload.build(lambda extra: compile_bpf(LINKMODEL_SRC_NAME, extra), [PROG_NAME], frags)
+    return built, built.progs[PROG_NAME].fd
 
 
 def cfg_from_dict(d: dict):
@@ -112,16 +114,18 @@ class LinkModel:
         self.cfg_map, self.state_map, self.stats_map, self.next_map = cfg, state, stats, nxt
         self.prog_fd = prog_fd
         self.pin_dir = pin_dir
-        self._bpf = bpf          # keeps a bcc object (and its fds) alive
+        self._bpf = bpf          # keeps a bcc object / progload.Built (and its fds) alive
+        self.frags = getattr(bpf, "frags", None)   # the program's path (None: opened from pins)
 
     # ------------------------------------------------------------ construction
     @classmethod
     def load(cls, bpf_and_fd=None) -> "LinkModel":
         """Compile (or take a compiled (bcc.BPF, fd)) without pinning: for tests."""
         b, fd = bpf_and_fd or compile_program()
+        bpf = getattr(b, "bpf", b)      # a progload.Built or a bare bcc object
 
         def m(name):
-            return bpfsys.Map(b[name.encode()].map_fd, name, owns_fd=False)
+            return bpfsys.Map(bpf[name.encode()].map_fd, name, owns_fd=False)
         return cls(m(MAP_CFG), m(MAP_STATE), m(MAP_STATS), m(MAP_NEXT), fd, bpf=b)
 
     def pin(self, pin_dir: str) -> None:
@@ -234,7 +238,14 @@ class LinkModel:
             self.update(ifindex, next_prog=0)
             self.next_map.delete(slot)
             return
-        self.next_map.update(slot, prog_fd.to_bytes(4, "little"))
+        try:
+            self.next_map.update(slot, prog_fd.to_bytes(4, "little"))
+        except bpfsys.BpfError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise LinkModelError("%s[%d]: the kernel refused the program (EINVAL): the link model and "
+                                 "the program it tail-calls must both be frags-aware or both "
+                                 "single-buffer (MRC_XDP_FRAGS, docs/datapath.md)" % (MAP_NEXT, slot)) from None
         self.update(ifindex, next_prog=slot + 1)
 
 
