@@ -361,9 +361,7 @@ class CQ:
         spin_us: first spin that long for one in C (the GIL released, no syscall, and the
         engine writes no eventfd meanwhile), then sleep on the eventfd: for a caller
         whose next completion is microseconds away (a round trip), one wake-up less."""
-        if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= SPIN_MAX_US:
-            raise TransportError("wait_blocking: spin_us %r: microseconds to spin for a completion, "
-                                 "0 (off) .. %d" % (spin_us, SPIN_MAX_US))
+        spin_checked(spin_us, "wait_blocking: spin_us", "microseconds to spin for a completion")
         deadline = None if timeout is None else time.monotonic() + timeout
         if spin_us > 0 and self._ep._e is not None:
             _, lib = _engine()
@@ -414,12 +412,18 @@ SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
 
 
+def spin_checked(v, what: str = "spin_us", means: str = "microseconds the engine spins after work "
+                 "before it sleeps") -> int:
+    """v if it is a spin time in microseconds, 0 (off) .. SPIN_MAX_US; else one clear error
+    naming `what` (the option or flag) and what it `means`."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SPIN_MAX_US:
+        raise TransportError("%s %r: %s, 0 (off) .. %d" % (what, v, means, SPIN_MAX_US))
+    return v
+
+
 def check_spin_us(v) -> int:
     """spin_us as the engine takes it (0: off), or one clear error."""
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SPIN_MAX_US:
-        raise TransportError("spin_us %r: microseconds the engine spins after work before it sleeps, "
-                             "0 (off) .. %d" % (v, SPIN_MAX_US))
-    return v or SPIN_OFF
+    return spin_checked(v) or SPIN_OFF
 
 
 class Endpoint:

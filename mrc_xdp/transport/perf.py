@@ -360,14 +360,12 @@ def _lat_result(lat, size, payload) -> dict:
 
 def _check_spins(spin_us, cq_spin_us):
     t = _transport()
-    if spin_us is not None:
-        try:
-            t.endpoint.check_spin_us(spin_us)
-        except t.TransportError as e:
-            raise PerfError("--spin-us: %s" % e) from None
-    if isinstance(cq_spin_us, bool) or not isinstance(cq_spin_us, int) or not 0 <= cq_spin_us <= t.endpoint.SPIN_MAX_US:
-        raise PerfError("--cq-spin-us %r: microseconds to spin for a completion, 0 (off) .. %d"
-                        % (cq_spin_us, t.endpoint.SPIN_MAX_US))
+    try:
+        if spin_us is not None:
+            t.endpoint.spin_checked(spin_us, "--spin-us")
+        t.endpoint.spin_checked(cq_spin_us, "--cq-spin-us", "microseconds to spin for a completion")
+    except t.TransportError as e:
+        raise PerfError(str(e)) from None
 
 
 def write_lat_client(peer: str, instance: str, ns: str | None = None, size: int = 8,
