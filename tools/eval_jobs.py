@@ -270,7 +270,7 @@ def part_f(args, res, lab):
             spans = [("1K", "1M", 2, 20, 5), ("2M", "64M", 2, 3, 1)]
             free_spans = [("1M", "64M", 4, 3, 1)]
             limited_tr = ("mrc", "gloo", "mptcp")
-        r = {"rate_bps": j.rate, "capacity": cap, "spans": spans, "free_spans": free_spans,
+        r = {"rate_bps": j.rate, "mtu": lab.topo.mtu, "app_mtu": lab.topo.app_mtu, "capacity": cap, "spans": spans, "free_spans": free_spans,
              "limited": {}, "free": {}, "load": {}}
         log("(f) rate-limited lab: T0-T1 links %s, host links %s: host-to-host capacity %.0f Mbit/s "
             "(%.1f MB/s of busbw)" % (args.rate, _rate(2 * j.rate), cap["host_to_host_bps"] / 1e6,
@@ -361,6 +361,14 @@ def plot_f(plt, r, args):
     return fig
 
 
+def _mtu_text(r: dict) -> str:
+    if "mtu" not in r:
+        return ""
+    return ("Fabric MTU %d and mrc0 %d for both transports (`evaluate.py --job-mtu`): the lab's largest, as MRC "
+            "NICs send 4096-byte payloads; at the default 1600/1500 the two CPUs, not the links, bound MRC's four "
+            "ranks." % (r["mtu"], r["app_mtu"]))
+
+
 def section_f(w, r, args):
     cap = r["capacity"]
     w("`mrc-xdp allreduce-perf` (nccl-tests' table; float32 sum, in place, results checked, time = mean of -n "
@@ -372,14 +380,14 @@ def section_f(w, r, args):
       "host's two NICs carry %.0f Mbit/s and two hosts on different T0s have %d paths of %s (%.0f Mbit/s): the "
       "host-to-host capacity, which a ring all-reduce's busbw can reach at best, is %.0f Mbit/s = %.1f MB/s. "
       "MRC ran on the link model alone (phantom queue: ECN above 30 KB, trimming above 60 KB, drops above 250 KB, "
-      "never a delay), as designed. gloo got real queues too: tbf at each link's rate (burst 16 KB, limit 250 KB) "
+      "never a delay), as designed. %s gloo got real queues too: tbf at each link's rate (burst 16 KB, limit 250 KB) "
       "at the sending end of every link, which TCP's ACK clock needs (removed while MRC runs). gloo's TCP "
       "connections use the hosts' plane-0 control addresses (one plane; the T0s hash each connection onto one "
       "of the two T1s); gloo over MPTCP adds a subflow over plane 1 per connection (mptcpize's preload and a "
       "shim for gloo's SO_REUSEADDR on accepted sockets, see tools/eval_jobs.py)."
       % (_rate(r["rate_bps"]), _rate(2 * r["rate_bps"]), cap["nic_bps"] / 1e6, cap["cross_t0_bps"] // r["rate_bps"],
          _rate(r["rate_bps"]), cap["cross_t0_bps"] / 1e6, cap["host_to_host_bps"] / 1e6,
-         cap["host_to_host_bps"] / 8e6))
+         cap["host_to_host_bps"] / 8e6, _mtu_text(r)))
     w("")
     trs = [t for t in TRANSPORTS if t in r["limited"]]
     w("| size (B) | " + " | ".join("%s time (us) | %s busbw (MB/s) | of capacity" % (LABEL[t], LABEL[t]) for t in trs)
@@ -430,7 +438,7 @@ def part_g(args, res, lab):
     rounds = 1 if args.quick else 3
     with limited(lab, args) as j:
         cap = j.capacity()
-        r = {"rate_bps": j.rate, "capacity": cap, "steps": steps, "rounds": rounds, "runs": {t: [] for t in TRANSPORTS},
+        r = {"rate_bps": j.rate, "mtu": lab.topo.mtu, "app_mtu": lab.topo.app_mtu, "capacity": cap, "steps": steps, "rounds": rounds, "runs": {t: [] for t in TRANSPORTS},
              "load": []}
         log("(g) examples/train_ddp.py, %d steps, on the 4 hosts, rate-limited (T0-T1 %s): %d interleaved rounds"
             % (steps, args.rate, rounds))
@@ -619,7 +627,7 @@ def part_h(args, res, lab):
     healthy_n = 1 if args.quick else 2        # before the schedule, and after it
     with limited(lab, args) as j:
         sched = schedule(lab.topo, n_jobs, quick=args.quick)
-        r = {"rate_bps": j.rate, "steps": steps, "timeout_s": JOB_TIMEOUT_S, "seed": SEED, "schedule": sched,
+        r = {"rate_bps": j.rate, "mtu": lab.topo.mtu, "app_mtu": lab.topo.app_mtu, "steps": steps, "timeout_s": JOB_TIMEOUT_S, "seed": SEED, "schedule": sched,
              "healthy": {t: [] for t in TRANSPORTS}, "jobs": {t: [] for t in TRANSPORTS}, "slow_factor": SLOW}
         log("(h) %d jobs per transport of examples/train_ddp.py (%d steps, collective timeout %g s), faults from "
             "seed %d; %d healthy job(s) each (before%s)" % (n_jobs, steps, JOB_TIMEOUT_S, SEED, healthy_n,
