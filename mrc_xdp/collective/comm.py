@@ -92,7 +92,7 @@ class Communicator:
         self.chunk, self.slots = chunk_bytes, slots
         self._dead: str | None = None
         self._wr = 0
-        self._pending: set[int] = set()       # wr_ids of data writes not completed
+        self._pending: dict[int, int] = {}    # wr_id -> peer, of data writes not completed
         self._credit_wrs: set[int] = set()    # wr_ids of credits not completed
         self._store, self._key = store, key
         self.peers = [j for j in range(world_size) if j != rank]
@@ -199,7 +199,7 @@ class Communicator:
                 else:
                     self._rx[j].append((c.imm, c.byte_len))
             else:
-                self._pending.discard(c.wr_id)
+                self._pending.pop(c.wr_id, None)
         return bool(got)
 
     def _wait(self, ready, what: str, peer: int) -> None:
@@ -220,7 +220,10 @@ class Communicator:
             self._fail("rank %d: to rank %d: %s: %s" % (self.rank, j, e, self._qp_state(j)))
         # a collective waits for its data writes; a credit is the peer's business (if the
         # peer has left, its credit can never be acknowledged: that is no error of ours)
-        (self._credit_wrs if imm & CREDIT else self._pending).add(self._wr)
+        if imm & CREDIT:
+            self._credit_wrs.add(self._wr)
+        else:
+            self._pending[self._wr] = j
         return self._wr
 
     # ------------------------------------------------------------------ streams
@@ -264,7 +267,8 @@ class Communicator:
 
     def _drain(self) -> None:
         """Wait until every write this rank posted has completed."""
-        self._wait(lambda: not self._pending, "finishing its writes", self.peers[0] if self.peers else 0)
+        if self._pending:           # named by the peer of the oldest write still pending
+            self._wait(lambda: not self._pending, "finishing its writes to it", self._pending[min(self._pending)])
 
     # ------------------------------------------------------------------ arrays
     def _check(self, arr, name: str) -> np.ndarray:
