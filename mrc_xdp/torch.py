@@ -133,13 +133,17 @@ class MrcWork(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         self._fut.wait()                # raises the collective's error
+        # and the handed-out future too: its callback runs in the worker's thread after
+        # _fut completes, so value() right after wait() could find it not yet done
+        # (torch's "completed() INTERNAL ASSERT FAILED", seen once in a CI run)
+        self._out.wait()
         return True
 
     def get_future(self) -> Future:
         return self._out
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._out.done()
 
     def is_success(self) -> bool:
         if not self._fut.done():

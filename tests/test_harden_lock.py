@@ -25,8 +25,9 @@ TRIALS = 3
 STAGGER = (0.0, 1.0, 0.3)     # seconds between the two starts, per trial
 
 
-def cli(*args):
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=300, cwd=ROOT)
+def cli(*args, env=None):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, **(env or {})))
 
 
 @pytest.fixture
@@ -95,11 +96,12 @@ def test_unload_waits_for_a_load_in_progress(pair):
 def test_failed_load_removes_what_it_made(pair):
     """A load that fails half-way (native XDP cannot attach to p1 while its veth peer has
     a 9000-byte MTU, after three devices already took theirs) detaches its programs and
-    removes its pins, pin directory and state: the instance loads cleanly right after."""
+    removes its pins, pin directory and state: the instance loads cleanly right after.
+    The single-buffer programs (MRC_XDP_FRAGS=0): veth takes frags programs at any MTU."""
     from mrc_xdp.datapath import netns
     from mrc_xdp.datapath.maps import pin_dir, state_path
     netns.run_cmd(pair.b, ["ip", "link", "set", "p1", "mtu", "9000"])
-    r = cli("load", "--config", pair.toml, "--netns", pair.a, "--xdp-mode", "native")
+    r = cli("load", "--config", pair.toml, "--netns", pair.a, "--xdp-mode", "native", env={"MRC_XDP_FRAGS": "0"})
     assert r.returncode == 1 and "p1: cannot attach XDP in native mode" in r.stderr, r.stderr
     assert [l for l in r.stderr.splitlines() if not l.startswith("load: ")] == [r.stderr.splitlines()[-1]]
     assert pair.xdp_ids() == {}
