@@ -36,13 +36,13 @@ def mb(datapath):
 
 
 @pytest.fixture
-def mb_ecmp(mb):
-    return mb.use("ecmp")
+def mb_ecmp(mb, ecmp):
+    return ecmp
 
 
 @pytest.fixture
-def mb_srv6(mb):
-    return mb.use("srv6")
+def mb_srv6(mb, srv6):
+    return srv6
 
 
 def _run(env, prog, frame, linear=None, ifindex=None):
