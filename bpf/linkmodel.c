@@ -18,6 +18,10 @@
  * parsed only in the linear part (a frame whose headers are not all there is not MRC
  * here, queued unchanged), and a trim keeps headers that are linear and shrinks the
  * frags away with bpf_xdp_adjust_tail.
+ * MRC_LF_USID_END (srv6 labs on kernels without CONFIG_IPV6_SEG6_LWTUNNEL): a passed
+ * frame whose outer destination is this switch's uN SID (block:self::/48) gets the
+ * kernel's End with NEXT-CSID done here, block:self:next:..:last becomes
+ * block:next:..:last:0, and the kernel forwards it on the next uSID's /48 route.
  * After a pass verdict, cfg.next_prog != 0 tail-calls mrc_lnext[next_prog - 1]
  * (a host's datapath ingress program sharing the same device).
  *
@@ -141,6 +145,31 @@ static __always_inline __u64 lm_drained(struct mrc_link_state *st, __u64 rate_bp
 	else
 		return 0;
 	return q > drain ? q - drain : 0;
+}
+
+/* uN: End with NEXT-CSID, 32-bit block, 16-bit uSIDs (RFC 9800), on the outer header.
+ * Without a next uSID the kernel's End would read an SRH: such frames (none in the lab,
+ * which sends no SRH) are left to the kernel. */
+static __always_inline void lm_usid_end(void *data, void *data_end, struct mrc_link_cfg *cfg,
+					struct mrc_link_ctr *c)
+{
+	struct ethhdr *eth = data;
+	struct ipv6hdr *ip6 = data + sizeof(*eth);
+	__u16 *w;
+
+	if ((void *)(ip6 + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IPV6))
+		return;
+	w = (__u16 *)&ip6->daddr;
+	if ((((__u32)bpf_ntohs(w[0]) << 16) | bpf_ntohs(w[1])) != cfg->usid_block ||
+	    bpf_ntohs(w[2]) != cfg->usid_self || !w[3])
+		return;
+	w[2] = w[3];
+	w[3] = w[4];
+	w[4] = w[5];
+	w[5] = w[6];
+	w[6] = w[7];
+	w[7] = 0;
+	c->usid_end++;
 }
 
 enum { LM_PASS = 0, LM_MARK = 1, LM_TRIM = 2, LM_DROP = 4 };
@@ -278,6 +307,8 @@ int MRC_PROG_LINK(struct xdp_md *ctx)
 			c->trimmed++;
 	}
 out:
+	if (cfg->flags & MRC_LF_USID_END)
+		lm_usid_end((void *)(long)ctx->data, (void *)(long)ctx->data_end, cfg, c);
 	next = cfg->next_prog;
 	if (next)
 		mrc_lnext.call(ctx, next - 1);

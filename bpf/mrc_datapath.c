@@ -242,14 +242,17 @@ int mrc_spray(struct xdp_md *ctx)
 		 * by its own send time, whenever the engine chose to resend it (its rule is
 		 * the PSN distance: under reordering it resends packets that were not lost). */
 		if (pe && (p.b8 & MRC_BTH_B8_RTX) && pe->psn == p.psn &&
-		    (pe->flags & ~MRC_PSNF_RESENT) == MRC_PSNF_VALID && pe->ts && ts) {
+		    (pe->flags & ~(MRC_PSNF_RESENT | MRC_PSNF_JUDGED)) == MRC_PSNF_VALID && pe->ts && ts) {
 			pe->flags |= MRC_PSNF_RESENT;
 			pe = 0;
 		}
 		if (pe) {
+			/* a resend of a PSN the loss rule judged keeps the mark (late_arrival) */
+			__u16 keep = pe->psn == p.psn ? pe->flags & MRC_PSNF_JUDGED : 0;
+
 			pe->psn = p.psn;
 			pe->ev = e->ev;
-			pe->flags = MRC_PSNF_VALID;
+			pe->flags = MRC_PSNF_VALID | keep;
 			pe->ts = ts;                    /* when: the engine's stamp (0: none) */
 			/* send order, an atomic counter rather than bpf_ktime_get_ns() (the
 			 * clock read costs more than the rest of spray on some hosts): the
@@ -337,7 +340,7 @@ static __always_inline int psn_in_window(__u32 hi, __u32 psn)
 static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *cfg,
 					struct mrc_psn_ent *ape, __u32 refl)
 {
-	__u32 trig = ape->ts, rtt, mn, spread, w;
+	__u32 trig = ape->ts, rtt, mn, spread, w, steps;
 	__u64 now;
 
 	if (!trig)
@@ -374,10 +377,58 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 		w = mn + spread;
 	if (w < cfg->loss_window_us)
 		w = cfg->loss_window_us;
+	/* packets judged lost that were late (late_arrival) widened the window by steps;
+	 * a step back per second without one */
+	steps = c->reo_steps;
+	if (steps && now - c->reo_ns > MRC_REO_DECAY_NS) {
+		steps--;
+		c->reo_steps = steps;
+		c->reo_ns = now;
+	}
+	w *= 1 + (steps & 15);
 	if (w >= MRC_TS_WINDOW_MAX)
 		w = MRC_TS_WINDOW_MAX - 1;
 	c->reo_wnd = w;
 	return trig;
+}
+
+/*
+ * The cumulative ack moved from c->fb_cack past it to cack.  If the time-based rule had
+ * judged that PSN (the oldest one outstanding: a late packet holds the cumulative ack
+ * back) lost (MRC_PSNF_JUDGED) and it was not resent since (MRC_PSNF_LOST still set), or
+ * was resent less than a min RTT ago (too recently for the resend to be what arrived),
+ * it arrived by its first send: late, not lost.  The reorder window then widens a step
+ * (sack_clock), one step per RTT at most: this fabric and these CPUs reorder more than
+ * the RTT samples show (a descheduled NAPI, a busy core).  RACK widens its window on
+ * D-SACKs the same way.  The EV it blamed stays retired until the health daemon's
+ * probes bring it back.  One entry, no loop: the verifier's budget for ingress is spent.
+ */
+static __always_inline void late_arrival(__u32 cid, struct mrc_conn *c, __u32 cack)
+{
+	__u32 from = c->fb_cack, n = psn_diff(cack, from), d;
+	struct mrc_psn_ent *pe;
+	__u64 now;
+
+	if (!n || (n & 0x800000))       /* nothing passed (an older or the same SACK) */
+		return;
+	c->fb_cack = cack;
+	pe = psn_sent(cid, c->psn_hi, from);
+	if (!pe || !(pe->flags & MRC_PSNF_JUDGED))
+		return;
+	pe->flags &= ~MRC_PSNF_JUDGED;
+	now = bpf_ktime_get_ns();
+	if (!(pe->flags & MRC_PSNF_LOST)) {     /* resent: how long ago? */
+		d = ((__u32)(now / MRC_TS_UNIT_NS) - pe->ts) & 0xFFFF;
+		if (d >= c->min_rtt)
+			return;                 /* the resend may be what arrived */
+	}
+	ctr_inc(MRC_C_ING_LATE);
+	if (c->reo_steps < MRC_REO_STEPS_MAX &&
+	    now - c->reo_ns > (__u64)(c->min_rtt + c->rtt_spread) * MRC_TS_UNIT_NS) {
+		c->reo_steps++;
+		c->reo_ns = now;
+		ctr_inc(MRC_C_ING_REO_GROW);
+	}
 }
 
 /*
@@ -430,7 +481,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 			continue;
 		k = cid * MRC_PSN_RING + (psn & (MRC_PSN_RING - 1));
 		pe = mrc_psn.lookup(&k);
-		if (!pe || pe->psn != psn || (pe->flags & ~MRC_PSNF_RESENT) != MRC_PSNF_VALID)
+		if (!pe || pe->psn != psn || (pe->flags & ~(MRC_PSNF_RESENT | MRC_PSNF_JUDGED)) != MRC_PSNF_VALID)
 			continue;
 		if (pe->ts & tmask) {
 			d = (trig_ts - pe->ts) & 0xFFFF;
@@ -444,7 +495,7 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 				continue;       /* (re)sent after the packet being acked: in flight */
 			why = MRC_R_LOSS_PSN;
 		}
-		pe->flags |= MRC_PSNF_LOST;
+		pe->flags |= MRC_PSNF_LOST | (why == MRC_R_LOSS ? MRC_PSNF_JUDGED : 0);
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
 		cc->why[nlost & (MRC_LOSS_BATCH - 1)] = why;
 		nlost++;
@@ -520,6 +571,7 @@ static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struc
 			ctr_inc(MRC_C_ING_FB_OOW);
 			return 1;
 		}
+		late_arrival(cid, c, cack);
 		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
 		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq,
 			    sack_clock(c, cfg, ape, ((__u32)h[MRC_SETH_LEN] << 8) | h[MRC_SETH_LEN + 1]),
@@ -559,7 +611,9 @@ static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struc
 	} else {
 		__u8 why = h[2];
 
-		if (ec)
+		/* the receiving engine sends each NACK twice, the copy (RTX) on the next
+		 * plane: it counts once */
+		if (ec && !(p->b8 & MRC_BTH_B8_RTX))
 			ec->nack++;
 		/* A trimmed send is accounted for: the SACK-bitmap hole it leaves until its
 		 * retransmission lands is no untrimmed loss (sack_losses skips it). */
@@ -568,7 +622,7 @@ static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struc
 		if (why == MRC_NACK_TRIMMED_LASTHOP)
 			ctr_inc(MRC_C_ING_NACK_LASTHOP);
 		if (why == MRC_NACK_TRIMMED) {
-			if (ec)
+			if (ec && !(p->b8 & MRC_BTH_B8_RTX))
 				ec->trim++;
 			if (ev_skip(cid, slot, e, MRC_R_NACK_TRIM))
 				ctr_inc(MRC_C_ING_FB_SKIP);

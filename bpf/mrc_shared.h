@@ -62,6 +62,8 @@
 #define MRC_SETH_M_MASK      3
 #define MRC_QPN_PROBE        2      /* connectionless EV probes */
 #define MRC_SETH_PR          0x02   /* SETH byte 1 bit 1: the SACK answers a PROBE_REQ */
+#define MRC_REO_STEPS_MAX    8      /* the reorder window grows to (1 + steps) x itself */
+#define MRC_REO_DECAY_NS     1000000000ULL  /* one step back per second without a late packet */
 /* A probe answer is a SACK with PR set: entropy = the probed EV, cack_psn = the probe's
  * PSN, spdcid/dpdcid swapped, CC_STATE tx timestamp = the probe's, and the probe id in the
  * SETH bytes below (sack_offset: no bitmap rides on a probe answer). */
@@ -268,6 +270,13 @@ struct mrc_conn {
 	                         * first: it is alive towards us, and a plane whose NIC or
 	                         * link died at either end carries nothing to us once the
 	                         * peer has retired it, so our feedback avoids it too */
+	__u32 reo_steps;        /* packets judged lost that arrived after all (late) widened
+	                         * the reorder window to (1 + reo_steps) x the RTT-based one,
+	                         * one step per RTT at most; one step back per
+	                         * MRC_REO_DECAY_NS without one (RACK grows its window on
+	                         * D-SACKs the same way) */
+	__u64 reo_ns;           /* bpf_ktime_get_ns() of the last step up or down */
+	__u32 fb_cack;          /* the newest cumulative ack seen in a SACK (ingress) */
 	__u32 rsvd;
 };
 
@@ -346,6 +355,10 @@ struct mrc_psn_ent {
 #define MRC_PSNF_LOST   2
 #define MRC_PSNF_RESENT 4   /* resent before the loss rule judged it: the entry is still the
                              * first send's; a SACK it triggers is dated by its reflection */
+#define MRC_PSNF_JUDGED 8   /* the loss rule judged this PSN lost: kept by the retransmission
+                             * that takes the entry, so that when the cumulative ack passes
+                             * the PSN before that resend can have arrived, the first send
+                             * was only late (ingress: late_arrival) */
 
 struct mrc_srv6_tmpl {
 	__u8  block[4];                 /* 32-bit uSID block */
@@ -465,6 +478,9 @@ enum mrc_ctr {
 	                             * (ASSUMED_BAD) EV rather than dropped */
 	MRC_C_ING_LOSS_PSN,         /* losses (in ING_LOSS) found by the PSN-distance fallback */
 	MRC_C_ING_RTT,              /* RTT samples from reflected TSETH timestamps */
+	MRC_C_ING_LATE,             /* packets judged lost by the time-based rule that arrived
+	                             * after all (the cumulative ack passed the oldest first) */
+	MRC_C_ING_REO_GROW,         /* ... that widened the reorder window one step */
 	/* EVs retired (GOOD/SKIP -> ASSUMED_BAD or DENIED), by why: */
 	MRC_C_RETIRE_LOSS,          /* time-based loss (MRC_R_LOSS) */
 	MRC_C_RETIRE_LOSS_PSN,      /* PSN-distance fallback (MRC_R_LOSS_PSN) */
@@ -495,6 +511,7 @@ enum mrc_ctr {
 #define MRC_LF_ECN       1             /* mark CE above ecn_bytes (off on the last hop) */
 #define MRC_LF_TRIM      2             /* trim MRC data above trim_bytes */
 #define MRC_LF_BLACKHOLE 4             /* drop everything */
+#define MRC_LF_USID_END  8             /* srv6 lab on a kernel without seg6local: uN here */
 
 struct mrc_link_cfg {
 	__u64 rate_bps;         /* phantom queue drain rate; 0 = unlimited (no queue) */
@@ -508,6 +525,8 @@ struct mrc_link_cfg {
 	__u8  dscp_ctrl;        /* packets with this DSCP are never trimmed */
 	__u16 udp_port;         /* MRC UDP destination port (4791) */
 	__u32 next_prog;        /* 0: XDP_PASS; n: tail-call mrc_lnext[n - 1] after a pass */
+	__u32 usid_block;       /* MRC_LF_USID_END: the F3216 block (DA bytes 0-3, host order) */
+	__u32 usid_self;        /* MRC_LF_USID_END: this switch's uSID (DA bytes 4-5) */
 };
 
 struct mrc_link_state {
@@ -528,6 +547,7 @@ struct mrc_link_ctr {
 	__u64 drop_blackhole;
 	__u64 drop_flap;
 	__u64 mrc_pkts;         /* IPv6/UDP to udp_port (any opcode) */
+	__u64 usid_end;         /* MRC_LF_USID_END: outer destinations shifted to the next uSID */
 };
 
 #endif /* MRC_SHARED_H */

@@ -529,12 +529,13 @@ def test_time_window_adapts_to_the_rtt(ecmp):
     for name, psn0 in (("near", PSN0), ("far", PSN0 + 100)):
         hole = 5
         sent = time.monotonic_ns() // unit - 2000              # the trigger: sent 2 ms ago ...
-        carried = _spray_stamped(env, lambda i: sent - (gap[name] if i <= hole else 0), psn0=psn0)
+        # few packets: the test's own time from the stamps to the SACK counts in the RTT
+        carried = _spray_stamped(env, lambda i: sent - (gap[name] if i <= hole else 0), psn0=psn0, n=8)
         x = carried[psn0 + hole]
         # ... its reflection taken now, so the RTT sample is 2 ms however long spraying took
         # (a reflection later than the ring's timestamp leaves the trigger dated by the ring)
         refl = (time.monotonic_ns() // unit - 2000) & 0xFFFF
-        d = _fb(env, "sack", _other_ev(env, x), cack_psn=psn0, bitmap=_sack_bitmap([hole]),
+        d = _fb(env, "sack", _other_ev(env, x), cack_psn=psn0, bitmap=_sack_bitmap([hole], 8),
                 cc={"tx_ts": refl})
         c = _conn_rt(env)
         assert 2000 <= c.min_rtt < 25000 and c.reo_wnd >= c.min_rtt, (c.min_rtt, c.reo_wnd)
@@ -543,6 +544,55 @@ def test_time_window_adapts_to_the_rtt(ecmp):
             assert d.get("ing_loss", 0) == 0 and env.state(CONN_A, x) == EvState.GOOD, d
         else:
             assert d.get("retire_loss") == 1 and env.state(CONN_A, x) == EvState.ASSUMED_BAD, d
+
+
+@pytest.mark.parametrize("resend,late", [(None, True), (0, True), (20000, False)],
+                         ids=["not-resent", "resent-just-now", "resent-20ms-ago"])
+def test_late_packet_widens_the_reorder_window(ecmp, resend, late):
+    """A packet the time rule judged lost whose PSN the cumulative ack then passes, with
+    no resend since (or one too recent to be what arrived: less than the min RTT ago),
+    arrived by its first send: late, not lost.  Ingress widens the reorder window a
+    step, (1 + reo_steps) x the RTT-based one (here the 5 ms floor, doubled); a second
+    without another takes the step back.  After a resend older than the min RTT the
+    resend may be what arrived: no step."""
+    env = ecmp
+    env.set_cfg(loss_window_us=5000, loss_window_div=0)     # the window: the 5 ms floor
+    unit = const("MRC_TS_UNIT_NS")
+    n = 8               # few packets: the test's own time between stamps and SACKs stays
+                        # far below the 16-bit clock's half range (32 ms)
+
+    def now():
+        return time.monotonic_ns() // unit
+    t0 = now() - 8000   # PSN0 sent 8 ms ago, the rest 1 ms ago
+    x = _spray_stamped(env, lambda i: t0 + (7000 if i else 0), n=n)[PSN0]
+    echo = _other_ev(env, x)
+    # PSN0 missing, sent 7 ms before the trigger: judged lost (RTT sample 5 ms: the min)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([0], n),
+            cc={"tx_ts": (now() - 5000) & 0xFFFF})
+    assert d == dict(ING_FB, ing_sack=1, ing_rtt=1, **TIME_LOSS), d
+    assert env.psn_entry(CONN_A, PSN0).flags == \
+        const("MRC_PSNF_VALID") | const("MRC_PSNF_LOST") | const("MRC_PSNF_JUDGED")
+    if resend is not None:
+        ret, _ = env.run("spray", data(PSN0, ts=(now() - resend) & 0xFFFF, rtx=True))
+        assert ret == XDP_REDIRECT
+        assert env.psn_entry(CONN_A, PSN0).flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_JUDGED")
+    # everything arrived: the cumulative ack passes PSN0
+    d = _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
+            cc={"tx_ts": (now() - 5000) & 0xFFFF})
+    c = _conn_rt(env)
+    if late:
+        assert (d.get("ing_late"), d.get("ing_reo_grow")) == (1, 1), d
+        assert (c.reo_steps, c.reo_wnd) == (1, 10000), (c.reo_steps, c.reo_wnd)
+    else:
+        assert "ing_late" not in d and "ing_reo_grow" not in d, d
+        assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
+    assert env.psn_entry(CONN_A, PSN0).flags & const("MRC_PSNF_JUDGED") == 0, "counted once"
+    if resend is None:
+        time.sleep(1.1)     # MRC_REO_DECAY_NS without another: one step back
+        _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
+            cc={"tx_ts": (now() - 5000) & 0xFFFF})
+        c = _conn_rt(env)
+        assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
 
 
 def test_retirements_counted_by_why(ecmp):

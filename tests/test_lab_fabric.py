@@ -111,13 +111,35 @@ def test_up_twice_reports_the_running_lab(srv6_lab):
 @pytest.mark.parametrize("t1", [0, 1])
 def test_srv6_frame_crosses_exactly_the_t1_its_usid_names(srv6_lab, plane, t1):
     prefix, topo, lm = srv6_lab
-    before = snap(lm, topo)
+    before, before_un = snap(lm, topo), snap(lm, topo, "usid_end")
     f = probe.path_frame(topo, "h0", "h2", plane, t1)
     probe.send(prefix, "h0", "p%d" % plane, [f] * 5)
     want = path_ends(topo.path_nodes("h0", "h2", plane, t1))
     assert want[2] == "p%dt1s%d>p%dt0s1" % (plane, t1, plane)
     d = wait_delta(lm, topo, before, 5, end=want[-1])
     assert d == {e: 5 for e in want}
+    # uN done by the kernel (seg6local) or, on kernels without it, by the link model at
+    # each switch the frame entered: T0, T1, T0 (the host's end takes block:host::)
+    un = delta(before_un, snap(lm, topo, "usid_end"))
+    assert un == ({e: 5 for e in want[:3]} if fabric.load_state(prefix)["un"] == "linkmodel" else {})
+
+
+def test_srv6_un_in_the_link_model_when_forced(monkeypatch):
+    monkeypatch.setenv("MRC_LAB_UN", "linkmodel")
+    with running_lab("srv6", "u") as (prefix, topo, lm):
+        assert fabric.load_state(prefix)["un"] == "linkmodel"
+        routes = netns.run_cmd(prefix + "p1t1s0", ["ip", "-6", "route", "show"]).stdout
+        own = topo.usid_addr([topo.nodes["p1t1s0"].usid()]) + "/48"     # the T1's uN SID
+        assert own == "fcbb:0:1200::/48" and own not in routes and "seg6local" not in routes
+        assert "fcbb:0:1100::/48 via" in routes                         # next uSID: T0 0
+        before, before_un = snap(lm, topo), snap(lm, topo, "usid_end")
+        probe.send(prefix, "h1", "p1", [probe.path_frame(topo, "h1", "h3", 1, 0)] * 4)
+        want = path_ends(topo.path_nodes("h1", "h3", 1, 0))
+        assert wait_delta(lm, topo, before, 4, end=want[-1]) == {e: 4 for e in want}
+        assert delta(before_un, snap(lm, topo, "usid_end")) == {e: 4 for e in want[:3]}
+    monkeypatch.setenv("MRC_LAB_UN", "bogus")
+    with pytest.raises(fabric.LabError, match="MRC_LAB_UN"):
+        fabric.usid_end_where(topology.load(mode="srv6"))
 
 
 def test_srv6_same_t0_path(srv6_lab):

@@ -319,6 +319,52 @@ def test_update_keeps_other_settings(lm):
     assert lm.get(IFX)["blackhole"] is False and lm.get(IFX)["loss_ppm"] == 5
 
 
+# ------------------------------------------------------------------ uN (kernels without seg6local)
+UN_SELF = dict(usid_end=True, usid_block=0xFCBB0000, usid_self=0x0100)   # OUTER_DST's first uSID
+
+
+def _with_outer_dst(frame: bytes, dst: str) -> bytes:
+    return frame[:38] + ipaddress.IPv6Address(dst).packed + frame[54:]
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_un_shifts_the_outer_destination_to_the_next_usid(lm, trimmed):
+    configure(lm, backlog=70000 if trimmed else 0, **UN_SELF)
+    f, hl = mrc_frame(srv6=True)
+    ret, out = run(lm, f)
+    assert ret == bpfsys.XDP_PASS
+    want = _with_outer_dst(f, "fcbb:0:201:101:302::")   # block:self:a:b:c -> block:a:b:c:0
+    if trimmed:
+        assert ctr(lm)["trimmed"] == 1 and len(out) == hl + 4
+        assert out[38:54] == want[38:54]        # (DSCP, CE and lengths are the trim's)
+    else:
+        assert out == want
+    assert ctr(lm)["usid_end"] == 1
+
+
+@pytest.mark.parametrize("cfg, dst", [
+    (dict(UN_SELF, usid_self=0x0200), OUTER_DST),            # another switch's SID
+    (dict(UN_SELF, usid_block=0xFCBB0001), OUTER_DST),       # another block
+    (UN_SELF, "fcbb:0:100::"),                               # no next uSID: the kernel's
+    (dict(UN_SELF, usid_end=False), OUTER_DST),              # uN off (kernel seg6local)
+])
+def test_un_leaves_other_destinations_unchanged(lm, cfg, dst):
+    configure(lm, **cfg)
+    f = _with_outer_dst(mrc_frame(srv6=True)[0], dst)
+    assert run(lm, f) == (bpfsys.XDP_PASS, f)
+    assert ctr(lm)["usid_end"] == 0
+
+
+def test_un_applies_to_any_ipv6_frame_and_not_to_others(lm):
+    configure(lm, **UN_SELF)
+    icmp = eth(ipv6(bytes(8), 58, dst=OUTER_DST))              # not MRC: still routed by uSID
+    ret, out = run(lm, icmp)
+    assert (ret, out) == (bpfsys.XDP_PASS, _with_outer_dst(icmp, "fcbb:0:201:101:302::"))
+    arp = eth(bytes(28), ethertype=0x0806)
+    assert run(lm, arp) == (bpfsys.XDP_PASS, arp)
+    assert ctr(lm)["usid_end"] == 1
+
+
 def _nxt(mode: str):
     """A next program returning XDP_TX, loaded frags-aware ('on') or single-buffer ('off')."""
     from mrc_xdp.datapath import kheaders, progload

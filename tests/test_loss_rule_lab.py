@@ -27,6 +27,7 @@ from test_transfer_lab import _reset_evs, transfer
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root")
 
 T1 = "p0t1s1"        # the T1 the faults strike (plane 0, T1 1)
+MIN_DROPS = 64       # a fault that struck the transfer, not only its tail
 
 
 @pytest.fixture(scope="module", params=["srv6", "ecmp"])
@@ -88,9 +89,20 @@ def _spin(seconds):
 
 
 def test_t1_blackhole_cpus_loaded(lab, fabric_links):
+    """(The fault strikes at the first completion poll that sees 20% done.  With both CPUs
+    busy that poll can come only after every packet was sent (completions lag), so the
+    fault struck nothing, or only the last few packets, which the engine's RTO resends
+    with no later SACK to show their holes, and no EV was retired: a run whose fault
+    dropped fewer than MIN_DROPS packets is redone, up to 3 times, on a healed fabric
+    with every EV GOOD again.)"""
     lm = lab["lm"]
     fault_s = 1.5
-    state = {}
+
+    t1_ends = [rx.ifindex for lk, rx in fabric_links if T1 in (lk.a.node, lk.b.node)]
+
+    def set_t1(dead):
+        for ifindex in t1_ends:
+            lm.update(ifindex, blackhole=dead)
 
     def fail(frac):
         if frac >= 0.2 and "t" not in state:
@@ -99,23 +111,35 @@ def test_t1_blackhole_cpus_loaded(lab, fabric_links):
             state["spin"] = [ctx.Process(target=_spin, args=(fault_s,)) for _ in range(os.cpu_count() or 2)]
             for p in state["spin"]:
                 p.start()
-            for lk, rx in fabric_links:
-                if T1 in (lk.a.node, lk.b.node):
-                    lm.update(rx.ifindex, blackhole=True)
+            set_t1(True)
             state["t"] = time.monotonic()
         elif "t" in state and "healed" not in state and time.monotonic() - state["t"] > fault_s:
-            for lk, rx in fabric_links:
-                if T1 in (lk.a.node, lk.b.node):
-                    lm.update(rx.ifindex, blackhole=False)
+            set_t1(False)
             state["healed"] = 1
-    try:
-        transfer(lab, [("h0", "h2")], 48 << 20, during=fail)
-    finally:
-        for p in state.get("spin", []):
-            p.join(10)
+
+    def dropped():
+        return sum(lm.counters(ifindex)["drop_blackhole"] for ifindex in t1_ends)
+
+    state: dict = {}
+    for attempt in range(3):
+        state.clear()
+        before = dropped()
+        try:
+            transfer(lab, [("h0", "h2")], 48 << 20, during=fail)
+        finally:
+            for p in state.get("spin", []):
+                p.join(10)
+        state["dropped"] = dropped() - before
+        if state["dropped"] >= MIN_DROPS:
+            break
+        set_t1(False)           # the fault came after the last packets were sent: again
+        _reset_evs(lab)
+    assert state["dropped"] >= MIN_DROPS, \
+        "in 3 runs the fault struck only the tail (%d dropped)" % state["dropped"]
     assert "t" in state
     rows = _rows(lab)
-    show = _show(rows)
+    # every row (a list's repr gets cut short)
+    show = "dropped by the fault: %d\n" % state["dropped"] + "\n".join(map(str, _show(rows)))
     through = [e for e in rows if (e["plane"], e["t1"]) == (0, 1)]
     # every EV through the dead T1 that carried packets was retired (the active ones all)
     assert through and all(e["state"] == "ASSUMED_BAD" for e in through if e["role"] == "active"), show

@@ -317,7 +317,6 @@ def retrans_in(logf, a_ns, b_ns):
 def run_failover(args, out):
     from mrc_xdp.lab import ctlpath
     from mrc_xdp import health, transport
-    from mrc_xdp.datapath import netns
     from mrc_xdp.lab import fabric, hosts, topology
     from mrc_xdp.lab import linkmodel as lmod
 
@@ -329,10 +328,9 @@ def run_failover(args, out):
     try:
         topo = fabric.topology_of(st)
         lm = lmod.LinkModel.open(st["pin_dir"])
-        for n in topo.nodes.values():
-            if n.kind == "t0":
-                netns.sysctl(prefix + n.name, "net.ipv6.fib_multipath_hash_policy", "3")
-                netns.sysctl(prefix + n.name, "net.ipv6.fib_multipath_hash_fields", "0x3f")
+        # the T0s keep the lab's L4 hash: the lab mapped every EV to its T1 under it
+        # (hosts.discover_ecmp_evs), and the EVs' t1 column, which says which EVs cross the
+        # dead T1, is only true under the hash it was found with
         ctl = ctlpath.lab_control_path(prefix, topo)
         for h in ("h1", "h3"):
             sh(prefix + h, "ip", "mptcp", "limits", "set", "subflow", "2", "add_addr_accepted", "2")
@@ -342,7 +340,9 @@ def run_failover(args, out):
         sock = os.path.join(tmp, "events.sock")
         cfgf = os.path.join(tmp, "daemon.toml")
         with open(cfgf, "w") as f:
-            f.write('socket = "%s"\ninstances = ["%s*"]\n[probe]\ninterval_ms = 20\nok_needed = 3\n'
+            # history: every event of the run (ECN skips alone are thousands of them); the
+            # EVs retired are counted from it
+            f.write('socket = "%s"\ninstances = ["%s*"]\nhistory = 1000000\n[probe]\ninterval_ms = 20\nok_needed = 3\n'
                     'backoff_max_ms = 100\nbackground_per_s = 0\n' % (sock, prefix))
         daemon = subprocess.Popen([sys.executable, "-m", "mrc_xdp.cli", "daemon", "--config", cfgf],
                                   stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "daemon.log"), "w"))
@@ -380,7 +380,7 @@ def run_failover(args, out):
         b1 = {j: lm.counters(i)["bytes"] - b0[j] for j, i in ups.items()}
         t1 = "p0t1s%d" % max(b1, key=b1.get)
         for h in ("h0", "h2"):
-            eps[h] = transport.Endpoint(prefix + h)
+            eps[h] = transport.Endpoint(prefix + h, timestamps=getattr(args, "timestamps", 1))
         q = hosts.qpn
         mrc = MrcFlow(eps["h0"], eps["h2"], q(0, 2), q(2, 0))
         mrc.t.start()
@@ -393,11 +393,20 @@ def run_failover(args, out):
         # the EVs (active and backup) of the MRC connection whose path crosses the dead T1
         tp, tj = int(t1[1:t1.index("t1")]), int(t1[t1.index("s") + 1:])
         crossing = {"conn": next(r["conn"] for r in rows0 if r["conn_name"] == "h2"),
-                    "evs": {r["ev"] for r in rows0 if r["conn_name"] == "h2" and (r["plane"], r["t1"]) == (tp, tj)}}
+                    "evs": {r["ev"] for r in rows0 if r["conn_name"] == "h2" and (r["plane"], r["t1"]) == (tp, tj)},
+                    "where": {r["ev"]: (r["plane"], r["t1"]) for r in rows0 if r["conn_name"] == "h2"}}
+        crossing["bad_before"] = dict(collections.Counter(
+            "p%dt1s%d" % (r["plane"], r["t1"]) for r in rows0 if r["conn_name"] == "h2" and r["state"] != "GOOD"))
         fault_ns = time.monotonic_ns()
         for i in t1_ends:
             lm.update(i, blackhole=True)
         time.sleep(args.fault)
+        # the datapath's own record, beside the daemon's events: the connection's EVs
+        # retired (and still so) when the fault ends
+        rows_heal = evs_of(prefix + "h0")
+        crossing["retired_at_heal"] = dict(collections.Counter(
+            "p%dt1s%d" % (r["plane"], r["t1"]) for r in rows_heal if r["conn_name"] == "h2"
+            and r["state"] == "ASSUMED_BAD" and r["ev"] not in bad0))
         heal_ns = time.monotonic_ns()
         for i in t1_ends:
             lm.update(i, blackhole=False)
@@ -476,9 +485,19 @@ def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, ar
             if crossing is not None:
                 # retired during the fault, of the MRC connection: which crossed the dead T1
                 mine = {e["ev"] for e in retired if e.get("conn") == crossing["conn"] and e["ts_ns"] < heal_ns}
+                r["retired_events"] = [((e["ts_ns"] - fault_ns) / 1e6, "%#x" % e["ev"], e.get("conn"),
+                                        "p%dt1s%s" % crossing["where"].get(e["ev"], (-1, "?")), e["reason"],
+                                        e.get("old")) for e in retired]
+                r["evs_retired_other"] = dict(collections.Counter(
+                    ("conn %s" % e.get("conn") if e.get("conn") != crossing["conn"] else "after heal")
+                    for e in retired if e.get("conn") != crossing["conn"] or e["ts_ns"] >= heal_ns))
                 r["evs_crossing"] = len(crossing["evs"])
                 r["evs_retired_fault"] = len(mine)
                 r["evs_retired_not_crossing"] = len(mine - crossing["evs"])
+                r["evs_not_good_at_fault"] = crossing["bad_before"]
+                r["evs_retired_at_heal"] = crossing["retired_at_heal"]
+                r["evs_retired_where"] = dict(collections.Counter(
+                    "p%dt1s%s" % crossing["where"].get(ev, (-1, "?")) for ev in mine))
             r["retired_by_reason"] = dict(collections.Counter(e["reason"] for e in retired))
             r["engine"] = {k: mstats[k] for k in ("tx_pkts", "rtx_pkts", "rtx_timeout", "rtx_sack",
                                                   "timeouts") if k in mstats}
@@ -601,6 +620,9 @@ def main(argv=None):
     ap.add_argument("--pace", type=float, default=300,
                     help="Mbit/s cap of the TCP and MPTCP senders (SO_MAX_PACING_RATE; 0 = none): on a "
                     "2-core machine uncapped Python TCP starves the MRC engine of CPU")
+    ap.add_argument("--timestamps", type=int, choices=[0, 1], default=1,
+                    help="MRC engines stamp TSETH (1: the datapath's time-based loss rule "
+                         "judges SACK holes; 0: the PSN-distance fallback)")
     ap.add_argument("--skip", choices=["failover", "loss"], action="append", default=[])
     ap.add_argument("--role", help=argparse.SUPPRESS)
     for k in ("ns", "addr", "src", "proto", "shm", "log"):
@@ -634,8 +656,9 @@ def main(argv=None):
                 f["bytes_retransmitted"], back))
         m, t = r["flows"]["mrc"], r["flows"]["tcp"]
         print("MRC: EVs retired %d, EVs that cross the fault %d (retired during the fault: %d, of them not "
-              "crossing it %d); by reason %s; first EV retired %s after the fault" % (
+              "crossing it %d; by path %s); by reason %s; first EV retired %s after the fault" % (
                   m["evs_retired"], m["evs_crossing"], m["evs_retired_fault"], m["evs_retired_not_crossing"],
+                  ", ".join("%s %d" % kv for kv in sorted(m.get("evs_retired_where", {}).items())) or "none",
                   ", ".join("%s %d" % kv for kv in sorted(m["retired_by_reason"].items())) or "none",
                   "n/a" if m["detect_s"] is None else "%.0f us" % (m["detect_s"] * 1e6)))
         print("MRC engine: %s; EVs resurrected by probes during the fault %d, after the heal %d" % (

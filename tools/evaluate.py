@@ -147,7 +147,7 @@ def plot_a(plt, r, args):
 def part_b(args, res):
     import bench_failover as bf
     a = argparse.Namespace(warmup=1.0 if args.quick else 1.5, fault=1.0 if args.quick else 2.0,
-                           after=1.0 if args.quick else 1.5, pace=300, note=FOOT % "b")
+                           after=1.0 if args.quick else 1.5, pace=300, timestamps=1, note=FOOT % "b")
     r = bf.run_failover(a, args.out)
     r["params"] = {k: v for k, v in vars(a).items() if k != "note"}
     m = r["flows"]["mrc"]

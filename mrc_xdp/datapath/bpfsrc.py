@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 from mrc_xdp.datapath import kheaders
 from mrc_xdp.datapath.shared import BPF_DIR
@@ -20,6 +21,12 @@ CFLAGS = [
     "-Wno-compare-distinct-pointer-types",
     "-Wno-unknown-warning-option",
 ]
+
+# libbcc chdir()s into the headers tree for the length of a compile and back afterwards
+# (its DirStack): the working directory is the process's, so two compiles in two threads
+# (the lab compiles its link model in one) pull it from under each other, and clang then
+# misses headers it looks up relative to it ("'uapi/linux/string.h' file not found").
+_COMPILE_LOCK = threading.Lock()
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -49,4 +56,5 @@ def compile_bpf(filename: str, cflags: list[str] | None = None):
     from bcc import BPF  # imported late: only loaders need bcc
 
     src = amalgamate(os.path.join(BPF_DIR, filename))
-    return BPF(text=src.encode(), cflags=CFLAGS + list(cflags or []))
+    with _COMPILE_LOCK:
+        return BPF(text=src.encode(), cflags=CFLAGS + list(cflags or []))

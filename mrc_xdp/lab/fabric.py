@@ -6,7 +6,9 @@ namespaces with a deterministic MAC and an ifindex from a lab-owned range, uniqu
 the lab, so one link-model program and one map keyed by ifindex serve every link end.
 
 Switches forward with the kernel and static tables only: in srv6 mode uN (seg6local End,
-next-csid, 32-bit block, 16-bit uSIDs) plus /48 routes to the next uSIDs; in ecmp mode
+next-csid, 32-bit block, 16-bit uSIDs) plus /48 routes to the next uSIDs (on a kernel
+without seg6local, CONFIG_IPV6_SEG6_LWTUNNEL, the link model does uN on every switch
+port and the kernel keeps the /48 routes: usid_end_where()); in ecmp mode
 /128 routes to every host's MRC address, multipath towards the T1s, L4 hash.  Neighbour
 entries are static, so no packet waits on NDP.
 
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -276,8 +280,33 @@ def _write_sysctls(pairs) -> None:
 
 
 # ---------------------------------------------------------------- tables
-def _batch(topo: Topology, node: str) -> list[str]:
-    """`ip -batch` lines (routes, neighbours) for one node."""
+@functools.lru_cache(maxsize=None)
+def kernel_has_seg6local() -> bool:
+    """Whether this kernel takes a uN route (seg6local End, next-csid): tried once in a
+    throwaway network namespace.  Kernels built without CONFIG_IPV6_SEG6_LWTUNNEL say
+    "lwt encapsulation type not supported"."""
+    return subprocess.run(["unshare", "-n", "sh", "-c",
+                           "ip link set lo up && ip -6 route add fc00:0:1::/48 encap seg6local "
+                           "action End flavors next-csid lblen 32 nflen 16 dev lo"],
+                          capture_output=True).returncode == 0
+
+
+def usid_end_where(topo: Topology) -> str | None:
+    """Where a netns lab's switches do uN: "kernel" (seg6local routes) or "linkmodel"
+    (this kernel has no seg6local); None in ecmp mode.  MRC_LAB_UN=kernel|linkmodel forces it."""
+    if topo.mode != "srv6":
+        return None
+    forced = os.environ.get("MRC_LAB_UN", "")
+    if forced in ("kernel", "linkmodel"):
+        return forced
+    if forced:
+        raise LabError("MRC_LAB_UN=%r: use kernel or linkmodel (or unset it)" % forced)
+    return "kernel" if kernel_has_seg6local() else "linkmodel"
+
+
+def _batch(topo: Topology, node: str, un: str | None = "kernel") -> list[str]:
+    """`ip -batch` lines (routes, neighbours) for one node; un="linkmodel": no seg6local
+    route (the link model does uN on the switch's ports)."""
     n = topo.nodes[node]
     out: list[str] = []
     for p in n.ports:                     # static neighbours for every link peer
@@ -294,8 +323,9 @@ def _batch(topo: Topology, node: str) -> list[str]:
     if topo.mode == "srv6":
         blk = topo.usid_addr
         # (not `dev lo`: the kernel turns routes via loopback into reject routes)
-        out.append("route replace %s/48 encap seg6local action End flavors next-csid "
-                   "lblen 32 nflen 16 dev %s" % (blk([n.usid()]), n.ports[0].ifname))
+        if un != "linkmodel":
+            out.append("route replace %s/48 encap seg6local action End flavors next-csid "
+                       "lblen 32 nflen 16 dev %s" % (blk([n.usid()]), n.ports[0].ifname))
         for p in n.ports:
             peer = topo.nodes[p.peer.node]
             u = peer.usid(n.plane) if peer.kind == "host" else peer.usid()
@@ -327,13 +357,19 @@ def _mrc0p_mac(h) -> str:
     return mac_of(h.fab_ifindex)
 
 
-def link_model_cfg(topo: Topology, rx_node: str, link) -> dict:
-    """The default link-model config of the link end received at rx_node."""
+def link_model_cfg(topo: Topology, rx_node: str, link, un: str | None = "kernel") -> dict:
+    """The default link-model config of the link end received at rx_node (un="linkmodel":
+    with uN for a switch, see usid_end_where)."""
     lm = topo.linkmodel
-    last_hop = topo.nodes[rx_node].kind == "host"
-    return dict(rate_bps=link.rate_bps, ecn_bytes=lm.ecn_bytes, trim_bytes=lm.trim_bytes,
-                drop_bytes=lm.drop_bytes, dscp_trimmed=lm.dscp_trimmed, dscp_ctrl=lm.dscp_ctrl,
-                udp_port=lm.udp_port, ecn=not last_hop, trim=True)
+    n = topo.nodes[rx_node]
+    last_hop = n.kind == "host"
+    cfg = dict(rate_bps=link.rate_bps, ecn_bytes=lm.ecn_bytes, trim_bytes=lm.trim_bytes,
+               drop_bytes=lm.drop_bytes, dscp_trimmed=lm.dscp_trimmed, dscp_ctrl=lm.dscp_ctrl,
+               udp_port=lm.udp_port, ecn=not last_hop, trim=True)
+    if un == "linkmodel" and topo.mode == "srv6" and not last_hop:
+        cfg.update(usid_end=True, usid_block=int(topo.block.network_address) >> 96,
+                   usid_self=n.usid())      # the SID usid_addr([n.usid()]) names
+    return cfg
 
 
 # ---------------------------------------------------------------- node set-up (any target)
@@ -361,14 +397,14 @@ def configure_links(ex, topo: Topology, node: str) -> None:
     ex.ip_batch(link_lines(topo, node))
 
 
-def configure_routes(ex, topo: Topology, node: str) -> None:
+def configure_routes(ex, topo: Topology, node: str, un: str | None = "kernel") -> None:
     """Static neighbours and routes (srv6: uN + /48s; ecmp: /128s, multipath)."""
-    ex.ip_batch(_batch(topo, node))
+    ex.ip_batch(_batch(topo, node, un))
 
 
-def linkmodel_ends(topo: Topology, node: str) -> list:
+def linkmodel_ends(topo: Topology, node: str, un: str | None = "kernel") -> list:
     """The link ends received at `node`: [[name, ifname, topology ifindex, config]]."""
-    return [[name, rx.ifname, rx.ifindex, link_model_cfg(topo, rx.node, lk)]
+    return [[name, rx.ifname, rx.ifindex, link_model_cfg(topo, rx.node, lk, un)]
             for name, rx, tx, lk in topo.link_ends() if rx.node == node]
 
 
@@ -468,9 +504,12 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
                     time.monotonic() - t))
 
         t = time.monotonic()
+        un = state["un"] = usid_end_where(topo)
         for node in topo.nodes:
-            configure_routes(execs[node], topo, node)
-        progress("  static routes and neighbours (%s mode)  %.2fs" % (topo.mode, time.monotonic() - t))
+            configure_routes(execs[node], topo, node, un)
+        progress("  static routes and neighbours (%s mode%s)  %.2fs"
+                 % (topo.mode, ", uN in the link model: this kernel has no seg6local"
+                    if un == "linkmodel" else "", time.monotonic() - t))
 
         t = time.monotonic()
         th.join()
@@ -481,7 +520,7 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         lm.pin(pin_dir(prefix))
         ends = []
         for node in topo.nodes:
-            ends += attach_linkmodel(lm, linkmodel_ends(topo, node), netns_name=nodes[node])
+            ends += attach_linkmodel(lm, linkmodel_ends(topo, node, un), netns_name=nodes[node])
         progress("  link model on %d link ends (compile overlapped)  %.2fs"
                  % (len(ends), time.monotonic() - t))
         lm.close()
@@ -498,6 +537,7 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         return state
     except BaseException:
         progress("lab up failed: removing what was built")
+        th.join()       # (a compile left running would race the next one: bpfsrc)
         for ipr in iprs.values():
             with contextlib.suppress(Exception):
                 ipr.close()

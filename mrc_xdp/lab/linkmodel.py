@@ -30,6 +30,7 @@ MAP_NEXT = shared.map_name("MRC_LMAP_NEXT")
 LF_ECN = shared.const("MRC_LF_ECN")
 LF_TRIM = shared.const("MRC_LF_TRIM")
 LF_BLACKHOLE = shared.const("MRC_LF_BLACKHOLE")
+LF_USID_END = shared.const("MRC_LF_USID_END")
 LNEXT_MAX = shared.const("MRC_LNEXT_MAX")
 CTR_FIELDS = shared.LINK_CTR_FIELDS
 DROP_FIELDS = [f for f in CTR_FIELDS if f.startswith("drop_")]
@@ -37,9 +38,10 @@ DROP_FIELDS = [f for f in CTR_FIELDS if f.startswith("drop_")]
 BPF_FS = "/sys/fs/bpf"
 BPF_FS_MAGIC = 0xCAFE4A11
 
-_FLAG_KEYS = {"ecn": LF_ECN, "trim": LF_TRIM, "blackhole": LF_BLACKHOLE}
+_FLAG_KEYS = {"ecn": LF_ECN, "trim": LF_TRIM, "blackhole": LF_BLACKHOLE, "usid_end": LF_USID_END}
 CFG_KEYS = ("rate_bps", "ecn_bytes", "trim_bytes", "drop_bytes", "loss_ppm",
-            "flap_period_ms", "dscp_trimmed", "dscp_ctrl", "udp_port", "next_prog") + \
+            "flap_period_ms", "dscp_trimmed", "dscp_ctrl", "udp_port", "next_prog",
+            "usid_block", "usid_self") + \
     tuple(_FLAG_KEYS)
 
 

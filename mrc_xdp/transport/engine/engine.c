@@ -40,6 +40,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -333,6 +334,8 @@ struct qp {
 	uint32_t retries, peer_mpr;
 	uint64_t fb_ns;                          /* the peer's last feedback in the window (SACK/NACK) */
 	uint64_t rack_seq;                       /* the latest-sent transmission (txseq) the peer SACKed */
+	/* the time-based loss rule (timestamps=1): see reo_window() */
+	uint64_t reo_spread, reo_wnd;
 	/* receiver */
 	uint32_t rcv_cack, rcv_ooo;
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
@@ -693,6 +696,7 @@ static void fill_qp_stats(struct qp *q, struct mrc_qp_stats *s)
 	s->srtt_ns = q->srtt;
 	s->rttvar_ns = q->rttvar;
 	s->min_rtt_ns = q->min_rtt;
+	s->reo_wnd_ns = q->reo_wnd;
 	s->rto_ns = q->rto;
 	s->cwnd = q->cwnd;
 	s->inflight = q->inflight;
@@ -730,6 +734,18 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 	out->caller_preempted = atomic_load_explicit(&e->caller_preempted, memory_order_relaxed);
 	out->caller_skipped = atomic_load_explicit(&e->caller_skipped, memory_order_relaxed);
 	pthread_mutex_unlock(&e->mu);
+	{
+		struct xdp_statistics xs;
+		socklen_t len = sizeof(xs);
+
+		memset(&xs, 0, sizeof(xs));
+		if (e->xsk_fd >= 0 && !getsockopt(e->xsk_fd, SOL_XDP, XDP_STATISTICS, &xs, &len)) {
+			out->xsk_rx_dropped = xs.rx_dropped;
+			out->xsk_rx_ring_full = len >= offsetof(struct xdp_statistics, rx_ring_full) + 8 ? xs.rx_ring_full : 0;
+			out->xsk_fill_empty = len >= offsetof(struct xdp_statistics, rx_fill_ring_empty_descs) + 8 ?
+					      xs.rx_fill_ring_empty_descs : 0;
+		}
+	}
 }
 
 void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out) { *out = e->o; }
@@ -1090,7 +1106,7 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 }
 
 static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev, uint8_t reason,
-		      uint8_t vendor)
+		      uint8_t vendor, int repeat)
 {
 	uint32_t frame_len = OFF_EXT + MRC_NETH_LEN + MRC_ICRC_LEN;
 	uint64_t addr;
@@ -1100,7 +1116,7 @@ static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev
 	if (!f)
 		return;
 	build_hdrs(e, q, f, frame_len - OFF_UDP, (uint8_t)(e->o.dscp_ctrl << 2), MRC_OP_NACK, q->rqpn,
-		   0, 0, q->rcv_cack);
+		   0, repeat ? MRC_BTH_B8_RTX : 0, q->rcv_cack);
 	h = f + OFF_EXT;
 	memset(h, 0, MRC_NETH_LEN);
 	h[2] = reason;
@@ -1160,7 +1176,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	    va + len > mr->addr + mr->len || va + len < va) {
 		e->st.bad_rkey++;
 		q->st.nacks_tx_access++;
-		send_nack(e, q, psn, ev, MRC_NACK_UNEXP_EVENT, MRC_ENG_VI_ACCESS);
+		send_nack(e, q, psn, ev, MRC_NACK_UNEXP_EVENT, MRC_ENG_VI_ACCESS, 0);
 		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
 		return;
 	}
@@ -1362,6 +1378,35 @@ static void rtt_sample(struct mrc_eng *e, struct qp *q, uint64_t r)
 	q->rto = rto;
 }
 
+/* The reorder window of the engine's time-based loss rule (timestamps=1): twice the
+ * datapath's (sack_clock in bpf/mrc_datapath.c) computed from the engine's own
+ * reflected-timestamp RTT samples, max(MRC_ENG_LOSS_WINDOW_US, min(min RTT / 4 +
+ * 4 x spread, min RTT + spread)).  The datapath judges a hole on the SACK that shows it
+ * one window old and retires the EV that carried it (widening its window when such a
+ * packet turns out late); the engine resends it a window later.  Resending first (the
+ * PSN-distance rule does so 32 packets on) fills the hole before the datapath has
+ * judged it: a dead path's EVs then stay in rotation and every packet they carry is
+ * resent.  The engine's samples run longer than the datapath's (they include the hop
+ * to the engine), so its window errs long. */
+static uint64_t reo_window(struct qp *q, uint64_t sample)
+{
+	uint64_t w, floor = (uint64_t)MRC_ENG_LOSS_WINDOW_US * 1000, mean;
+
+	if (sample && q->min_rtt) {
+		uint64_t ex = sample > q->min_rtt ? sample - q->min_rtt : 0;
+
+		q->reo_spread = q->reo_spread - q->reo_spread / 8 + ex / 8;
+	}
+	w = q->min_rtt / 4 + 4 * q->reo_spread;
+	mean = q->min_rtt + q->reo_spread;
+	if (w > mean)
+		w = mean;
+	if (w < floor)
+		w = floor;
+	q->reo_wnd = 2 * w;
+	return q->reo_wnd;
+}
+
 static void advance_una(struct mrc_eng *e, struct qp *q, uint64_t now)
 {
 	uint32_t old = q->snd_una;
@@ -1393,7 +1438,8 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 {
 	uint32_t cack = get24(h + 13), span = psn_sub(q->snd_next, q->snd_una), base, trig, i, p;
 	int16_t aoff = (int16_t)get16(h + 2), soff = (int16_t)get16(h + 18);
-	uint64_t bm = get64(h + 20), acked = 0, rtt = 0, now = now_ns(), trig_seq = 0;
+	uint64_t bm = get64(h + 20), acked = 0, rtt = 0, now = now_ns(), trig_seq = 0, wnd = 0, trig_ns = 0;
+	uint64_t rtt_ts0 = q->st.rtt_ts;
 	uint8_t m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
 	struct txp *tt;
 	int trig_known = 0;
@@ -1417,6 +1463,7 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	if (psn_sub(trig, q->snd_una) < span && tt->psn == trig && tt->state != TXP_FREE) {
 		trig_known = 1;
 		trig_seq = tt->txseq;
+		trig_ns = tt->tx_ns;
 		if (trig_seq > q->rack_seq)
 			q->rack_seq = trig_seq;
 		if (tt->nsent == 1 && tt->state == TXP_INFLIGHT)
@@ -1440,6 +1487,8 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	}
 	if (rtt)
 		rtt_sample(e, q, rtt);
+	if (e->o.timestamps == 1)
+		wnd = reo_window(q, q->st.rtt_ts != rtt_ts0 ? rtt : 0);
 	/* RACK, as the datapath's sack_losses(): a PSN the SACK reports missing at least
 	 * loss_reorder below the newest PSN it acknowledges (the bitmap's highest bit, or the
 	 * triggering packet when that lies beyond the bitmap), sent before the triggering
@@ -1451,15 +1500,20 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 
 		if (toff < PSN_HALF && (int32_t)toff > hi_eff)
 			hi_eff = (int32_t)toff;
-		if (gap && gap < span && (int64_t)hi_eff + gap >= e->o.loss_reorder) {
+		/* stamped (timestamps=1): time-based, the hole sent more than the reorder
+		 * window before the trigger, however many PSNs lie between (wnd) */
+		uint32_t reo = wnd ? 1 : e->o.loss_reorder;
+
+		if (gap && gap < span && (int64_t)hi_eff + gap >= reo) {
 			struct txp *t = &q->tx[cack & q->mask];
 
-			if (t->psn == cack && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
+			if (t->psn == cack && t->state == TXP_INFLIGHT && t->txseq < trig_seq &&
+			    (!wnd || trig_ns > t->tx_ns + wnd)) {
 				mark_lost(q, t);
 				q->st.rtx_sack++;
 			}
 		}
-		for (i = 0; (int64_t)i + e->o.loss_reorder <= hi_eff && i < 64; i++) {
+		for (i = 0; (int64_t)i + reo <= hi_eff && i < 64; i++) {
 			struct txp *t;
 
 			if (bm >> i & 1)
@@ -1468,7 +1522,8 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 			if (psn_sub(p, cack) >= PSN_HALF || psn_sub(p, q->snd_una) >= span)
 				continue;
 			t = &q->tx[p & q->mask];
-			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq) {
+			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq &&
+			    (!wnd || trig_ns > t->tx_ns + wnd)) {
 				mark_lost(q, t);
 				q->st.rtx_sack++;
 			}
@@ -1502,6 +1557,12 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
 		if (t->state != TXP_INFLIGHT)
 			return;
+		/* resent less than an RTT ago: the NACK (or its repeated copy) is about
+		 * an earlier transmission, already resent */
+		if (t->nsent > 1 && now - t->tx_ns < q->min_rtt) {
+			q->st.nacks_rx_stale++;
+			return;
+		}
 		mark_lost(q, t);
 		q->st.rtx_nack_trim++;
 		/* trimming is congestion (UET NSCC: a NACK is a decrease signal): at most one
@@ -1559,8 +1620,14 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	if (trimmed) {
 		e->st.trimmed++;
 		if (psn_sub(psn, q->rcv_cack) < q->win && !rcv_has(q, psn)) {
+			/* Twice: the second copy (RTX) goes back on the next plane (spray), as a
+			 * repeated SACK does.  We send no data to the peer, so our EVs through
+			 * a dead switch are never retired, and a NACK lost there would leave
+			 * the sender a hole its loss rule blames on the EV that was only
+			 * trimmed (a live path retired). */
 			q->st.nacks_tx_trim++;
-			send_nack(e, q, psn, ev, MRC_NACK_TRIMMED, 0);
+			send_nack(e, q, psn, ev, MRC_NACK_TRIMMED, 0, 0);
+			send_nack(e, q, psn, ev, MRC_NACK_TRIMMED, 0, 1);
 		}
 		return;
 	}

@@ -106,6 +106,8 @@ struct mrc_eng_opts {
 	                             * at most MRC_ENG_SPIN_MAX_US */
 };
 
+#define MRC_ENG_LOSS_WINDOW_US  200 /* floor of the time-based loss rule's window: the
+                                     * datapath's loss_window_us default (config.md) */
 #define MRC_ENG_SPIN_DEFAULT_US 0   /* off: spinning pays only with a caller that spins too
                                      * (write-lat turns both on; docs/transport.md) */
 #define MRC_ENG_SPIN_MAX_US     10000
@@ -153,6 +155,11 @@ struct mrc_eng_stats {
 	uint64_t caller_preempted;  /* caller spins cut short: descheduled mid-spin */
 	uint64_t caller_skipped;    /* caller waits that did not spin: the spins before them came
 	                             * back empty (1, 3, 7 .. 63 waits skip after each empty one) */
+	/* the kernel's counts for the socket (getsockopt XDP_STATISTICS): frames lost
+	 * before the engine saw them */
+	uint64_t xsk_rx_dropped;    /* dropped by the kernel (e.g. no room in the UMEM) */
+	uint64_t xsk_rx_ring_full;  /* RX ring full: the progress thread too slow to read it */
+	uint64_t xsk_fill_empty;    /* the fill ring had no frame for an arriving packet */
 };
 
 struct mrc_qp_stats {
@@ -199,6 +206,9 @@ struct mrc_qp_stats {
 	uint64_t rto_deferred;      /* expiries put off: feedback still waiting in the RX ring */
 	uint64_t fb_gap_max_ns;     /* longest time with data in flight and no feedback read (the
 	                             * peer silent, or this thread descheduled) */
+	uint64_t reo_wnd_ns;        /* the time-based loss rule's reorder window (timestamps=1) */
+	uint64_t nacks_rx_stale;    /* NACK TRIMMED of a PSN resent since (the receiver sends
+	                             * each twice, on two planes): ignored */
 };
 
 struct mrc_eng;
