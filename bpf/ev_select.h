@@ -133,7 +133,7 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 {
 	struct mrc_rot *r = mrc_rot.lookup(&cid);
 	__u32 n = c->ev_per_plane;
-	__u32 t, p0, q, budget, limit;
+	__u32 t, p0, q, budget, limit, skip1;
 	int found = 1;
 
 	if (!r || !n || !nplanes || nplanes > MRC_MAX_PLANES || n * nplanes > MRC_EV_ACTIVE_MAX)
@@ -180,6 +180,10 @@ static __always_inline struct mrc_rot *ev_select(__u32 cid, struct mrc_conn *c, 
 	}
 	found = 0;
 out:
+	/* every EV tried was sitting out its SKIP turn (ECN marks on all of them): the
+	 * first of them is GOOD again and takes the packet (below), which a congested
+	 * path still delivers; dropping it would only make the sender resend it */
+	skip1 = r->nskip ? r->skipped[0] + 1 : 0;
 	if (r->nskip)
 		skips_done(cid, r);
 	/* A retired EV still in an active slot takes a GOOD backup of its plane now: a
@@ -193,6 +197,11 @@ out:
 	 * alive (loss retires on one lost packet); without a health daemon to probe them
 	 * back, random loss would otherwise retire every EV and the connection could never
 	 * send again.  Never a DENIED EV, never a plane out of rotation. */
+	if (!found && skip1) {
+		r->slot = skip1 - 1;
+		ctr_inc(MRC_C_SPRAY_SKIP_RESORT);
+		found = 1;
+	}
 	if (!found && r->bad1) {
 		r->slot = r->bad1 - 1;
 		ctr_inc(MRC_C_SPRAY_LAST_RESORT);

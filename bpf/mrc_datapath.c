@@ -257,8 +257,16 @@ int mrc_spray(struct xdp_md *ctx)
 			/* send order, an atomic counter rather than bpf_ktime_get_ns() (the
 			 * clock read costs more than the rest of spray on some hosts): the
 			 * PSN-distance fallback's "sent before the trigger" */
-			pe->txseq = __sync_fetch_and_add(&c->txseq, 1);
-			if (!(p.b8 & MRC_BTH_B8_RTX))   /* the sent window's upper edge (ingress) */
+			__u64 seq = __sync_fetch_and_add(&c->txseq, 1);
+
+			pe->txseq = seq;
+			/* the sent window's upper edge (ingress): the newest PSN sent through
+			 * here, a retransmission's too when it is newer (its first send was
+			 * dropped before the PSN ring saw it: no usable EV, a full ring).
+			 * Otherwise every SACK of that PSN lies outside the window, is
+			 * dropped, and the sender resends it until its QP fails: a collective's
+			 * last packet did so (lab, rate-limited links) */
+			if (!seq || ((p.psn - c->psn_hi) & 0xFFFFFF) - 1 < 0x7FFFFF)
 				c->psn_hi = p.psn;
 		}
 		ctr_inc(MRC_C_SPRAY_DATA);

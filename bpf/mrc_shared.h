@@ -476,6 +476,8 @@ enum mrc_ctr {
 	MRC_C_EVOP_BUSY,            /* ... found the swap lock held (retried by user space) */
 	MRC_C_SPRAY_LAST_RESORT,    /* no GOOD EV on any plane in rotation: sent on a retired
 	                             * (ASSUMED_BAD) EV rather than dropped */
+	MRC_C_SPRAY_SKIP_RESORT,    /* every EV tried sat out its SKIP turn (ECN): sent on the
+	                             * first of them (GOOD again) rather than dropped */
 	MRC_C_ING_LOSS_PSN,         /* losses (in ING_LOSS) found by the PSN-distance fallback */
 	MRC_C_ING_RTT,              /* RTT samples from reflected TSETH timestamps */
 	MRC_C_ING_LATE,             /* packets judged lost by the time-based rule that arrived

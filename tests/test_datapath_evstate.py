@@ -913,6 +913,26 @@ def test_feedback_at_the_window_edges_is_applied(ecmp):
     assert d == dict(ING_FB, ing_sack=1, ing_fb_skip=1)
 
 
+def test_resend_of_a_psn_the_ring_never_saw_moves_the_window(ecmp):
+    """The first send of PSN H + 1 never reached the PSN ring: spray dropped it (no
+    usable EV) or it was lost before spray.  Its retransmission (RTX) is then the newest
+    PSN sent, and the SACK that acks it (cack H + 2) lies inside the window.  Before,
+    a retransmission never moved the window's upper edge: every SACK of that PSN was
+    dropped (ing_fb_oow), and the sender resent it until its QP failed; a lab
+    all-reduce's last packet did so.  An older retransmission leaves the edge alone."""
+    env = ecmp
+    _spray_psns(env)                                    # PSN0 .. H
+    ret, out = env.run("spray", data(H + 1, rtx=True))
+    assert ret == XDP_REDIRECT
+    y = wire.ev_of_frame(out)
+    assert env.psn_entry(CONN_A, H + 1).psn == H + 1
+    assert _fb(env, "sack", y, cack_psn=H + 2, ack_psn_offset=-1) == dict(ING_FB, ing_sack=1)
+    ret, out = env.run("spray", data(PSN0 + 3, rtx=True))   # an older resend
+    assert ret == XDP_REDIRECT
+    assert _fb(env, "sack", y, cack_psn=H + 2, ack_psn_offset=-1) == dict(ING_FB, ing_sack=1)
+    _assert_ignored(env, "sack", y, [], cack_psn=H + 3, ack_psn_offset=-2)
+
+
 def test_acked_psn_older_than_the_ring_changes_nothing(ecmp):
     """PSN0+5 is still in its ring entry, but MRC_PSN_RING or more PSNs were sent since:
     no longer in flight."""

@@ -185,6 +185,23 @@ def test_spray_no_usable_ev_drops(ecmp):
     assert d == {"spray_rx": 1, "spray_no_ev": 1}
 
 
+def test_spray_every_ev_skipping_sends_on_one(ecmp):
+    """Every active EV in SKIP (ECN marks came back on all of them): the packet goes on
+    the first EV met, which has sat out its turn and is GOOD again (spray_skip_resort),
+    rather than being dropped (spray_no_ev): a congested path still delivers, and a
+    dropped first send costs a resend at best (issue 17's lab stall began with one)."""
+    env = ecmp
+    evs = env.active_evs(CONN_B)
+    for ev in evs:
+        env.set_state(CONN_B, ev, EvState.SKIP)
+    ret, out, d = env.run_counted("spray", data(1, CONN_B))
+    assert ret == XDP_REDIRECT, xdp_name(ret)
+    assert d["spray_skip_resort"] == 1 and d["spray_tx"] == 1 and d["spray_skip"] >= 1
+    assert "spray_no_ev" not in d and "spray_last_resort" not in d
+    used = wire.ev_of_frame(out)
+    assert used in evs and env.state(CONN_B, used) == EvState.GOOD
+
+
 def test_spray_last_resort_on_a_retired_ev(ecmp):
     """Every EV retired (ASSUMED_BAD; connection B has no backups) and no daemon to probe
     them back: spray sends on a retired EV rather than drop (spray_last_resort), states

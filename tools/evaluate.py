@@ -1004,8 +1004,15 @@ def section_e(w, s, args):
     w("| case | ns/packet | x XDP_PASS | x bare forwarder |")
     w("|---|---|---|---|")
     for c in s["cases"]:
-        w("| %s | %.1f | %.2f | %.2f |" % (c["name"], c["ns"], c["ratio"], c["ratio_fwd"]))
+        w("| %s | %.1f | %.2f | %.2f |" % (c["name"] + (" *" if c["method"] == "copy" else ""),
+                                           c["ns"], c["ratio"], c["ratio_fwd"]))
     w("")
+    if any(c["method"] == "copy" for c in s["cases"]):
+        w("\\* derived by subtraction (one measured run minus others, formula in results.json): "
+          "on a busy machine or with few rounds (--quick) it can fall below zero; read it "
+          "with its spread, %s." % ", ".join("%s %.1f..%.1f" % (c["name"], c["ns_min"], c["ns_max"])
+                                             for c in s["cases"] if c["method"] == "copy"))
+        w("")
 
 
 class Part(typing.NamedTuple):

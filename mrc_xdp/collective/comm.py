@@ -42,6 +42,8 @@ from mrc_xdp import transport
 from mrc_xdp.collective.reduce import ReduceOp, divide, dtype_name, reduce_into
 
 CREDIT = 1 << 31
+# the oldest PSN's send slot (mrc_qp_stats.una_state & 3; enum TXP_* in engine.c)
+_SLOT = ("none", "in flight", "acked", "lost")
 
 
 class CollectiveError(RuntimeError):
@@ -173,10 +175,26 @@ class Communicator:
             s = self._qp[j].stats()
         except transport.TransportError as e:
             return str(e)
-        return ("QP %#x %s (sent %d packets, %d retransmitted, %d RTO expiries in a row at most, %d unacknowledged; "
-                "received %d data packets, %d SACKs)" % (
+        try:
+            e = self.ep.stats()
+        except transport.TransportError:
+            e = {}
+        # both directions of the QP, and what this endpoint's engine and socket dropped: a
+        # stalled transfer is either lost before us (XSK drops, out of window), refused
+        # (duplicates re-SACKed without progress) or acknowledged into the void
+        return ("QP %#x %s (sent %d packets, %d retransmitted, %d RTO expiries in a row at most, %d unacknowledged "
+                "from PSN %#x; received %d data packets (%d duplicates, every PSN below %#x), %d SACKs, "
+                "%d trimmed NACKs; sent %d SACKs, %d NACKs; oldest send slot %s, %d queued for resend, "
+                "in flight %d B of cwnd %d B, pacer %d us ahead; endpoint: %d out of window, %d trimmed, "
+                "%d bad ICRC, XSK %d dropped, %d ring full, %d fill empty)" % (
                     s["qpn"], s["state_name"], s.get("tx_pkts", 0), s.get("rtx_pkts", 0), s.get("retries_max", 0),
-                    (s.get("next_psn", 0) - s.get("una_psn", 0)) & 0xFFFFFF, s.get("rx_pkts", 0), s.get("sacks_rx", 0)))
+                    (s.get("next_psn", 0) - s.get("una_psn", 0)) & 0xFFFFFF, s.get("una_psn", 0),
+                    s.get("rx_pkts", 0), s.get("rx_dup", 0), s.get("rcv_cack", 0), s.get("sacks_rx", 0),
+                    s.get("nacks_rx_trim", 0), s.get("sacks_tx", 0), s.get("nacks_tx_trim", 0),
+                    _SLOT[s.get("una_state", 0) & 3] + (" (queued)" if s.get("una_state", 0) & 4 else ""),
+                    s.get("rtx_queued", 0), s.get("inflight", 0), s.get("cwnd", 0), s.get("pace_wait_ns", 0) // 1000,
+                    e.get("out_of_window", 0), e.get("trimmed", 0), e.get("bad_icrc", 0), e.get("xsk_rx_dropped", 0),
+                    e.get("xsk_rx_ring_full", 0), e.get("xsk_fill_empty", 0)))
 
     def _progress(self, wait: float) -> bool:
         """Take completions; wait up to `wait` seconds for the first.  True if any came."""

@@ -209,6 +209,10 @@ struct mrc_qp_stats {
 	uint64_t reo_wnd_ns;        /* the time-based loss rule's reorder window (timestamps=1) */
 	uint64_t nacks_rx_stale;    /* NACK TRIMMED of a PSN resent since (the receiver sends
 	                             * each twice, on two planes): ignored */
+	uint64_t una_state;         /* the oldest unacknowledged PSN's send slot: 0 free,
+	                             * 1 in flight, 2 acked, 3 lost; + 4 when queued for resend */
+	uint64_t rtx_queued;        /* entries in the resend queue (stale ones included) */
+	uint64_t pace_wait_ns;      /* how far ahead of now the pacer holds the next send */
 };
 
 struct mrc_eng;
