@@ -83,8 +83,8 @@ def test_evaluate_jobs_quick(tmp_path):
     run (examples/train_ddp.py) over MRC, gloo and gloo over MPTCP, each of which must
     finish: the evaluation stops at a failed (g) run, and a DDP job over "mrc" that died
     fails this test.  No speed is asserted.  Part h (jobs under faults) runs by hand
-    (docs/testing.md): its smoke form found a healthy MRC job failing in 1 of 2 fresh-clone
-    CI runs (issue 17's open defect), which would fail CI by chance until it is fixed."""
+    (docs/testing.md).  A healthy MRC job that stalled here (CI, 2026-12-06) was a
+    datapath defect, found and fixed (docs/testing.md)."""
     out = tmp_path / "res"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "evaluate.py"), "--quick", "--only", "f,g",
                         "--out", str(out)], capture_output=True, text=True, timeout=1800, cwd=ROOT)
