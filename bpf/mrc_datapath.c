@@ -260,13 +260,15 @@ int mrc_spray(struct xdp_md *ctx)
 			__u64 seq = __sync_fetch_and_add(&c->txseq, 1);
 
 			pe->txseq = seq;
-			/* the sent window's upper edge (ingress): the newest PSN sent through
-			 * here, a retransmission's too when it is newer (its first send was
-			 * dropped before the PSN ring saw it: no usable EV, a full ring).
-			 * Otherwise every SACK of that PSN lies outside the window, is
-			 * dropped, and the sender resends it until its QP fails: a collective's
-			 * last packet did so (lab, rate-limited links) */
-			if (!seq || ((p.psn - c->psn_hi) & 0xFFFFFF) - 1 < 0x7FFFFF)
+			/* the sent window's upper edge (ingress): the newest first send (a
+			 * new QP on this connection starts a PSN space of its own), or a
+			 * retransmission newer than that, whose first send never got here
+			 * (dropped before the PSN ring saw it).  Otherwise every SACK of that
+			 * PSN lies outside the window and is dropped, and the sender resends
+			 * it until its QP fails: a collective's last packet did so (lab,
+			 * rate-limited links, every EV skipping) */
+			if (!(p.b8 & MRC_BTH_B8_RTX) || !seq ||
+			    ((p.psn - c->psn_hi) & 0xFFFFFF) - 1 < 0x7FFFFF)
 				c->psn_hi = p.psn;
 		}
 		ctr_inc(MRC_C_SPRAY_DATA);
