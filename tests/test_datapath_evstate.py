@@ -931,6 +931,14 @@ def test_resend_of_a_psn_the_ring_never_saw_moves_the_window(ecmp):
     assert ret == XDP_REDIRECT
     assert _fb(env, "sack", y, cack_psn=H + 2, ack_psn_offset=-1) == dict(ING_FB, ing_sack=1)
     _assert_ignored(env, "sack", y, [], cack_psn=H + 3, ack_psn_offset=-2)
+    # a new QP on the same connection (a static one, reused) starts a PSN space of its
+    # own, behind or ahead: its first send sets the edge wherever it lies
+    q0 = (H - 0x400000) & M24
+    ret, out = env.run("spray", data(q0))
+    assert ret == XDP_REDIRECT
+    z = wire.ev_of_frame(out)
+    assert _fb(env, "sack", z, cack_psn=q0 + 1, ack_psn_offset=-1) == dict(ING_FB, ing_sack=1)
+    _assert_ignored(env, "sack", z, [], cack_psn=H + 2, ack_psn_offset=-1)
 
 
 def test_acked_psn_older_than_the_ring_changes_nothing(ecmp):
