@@ -39,6 +39,11 @@ static __always_inline int conn_matches(struct mrc_conn *c, __u8 *peer, __u32 qp
 	return a0 == b0 && a1 == b1;
 }
 
+static __always_inline __u32 psn_diff(__u32 a, __u32 b)   /* (a - b) mod 2^24 */
+{
+	return (a - b) & 0xFFFFFF;
+}
+
 /* Connection of (peer, qpn, dir): the previous packet's on this CPU if it matches
  * (an array lookup and a compare), else the hash map, which refills the cache. */
 static __always_inline int conn_find(__u8 *peer, __u32 qpn, __u32 dir, __u32 *cid,
@@ -268,7 +273,7 @@ int mrc_spray(struct xdp_md *ctx)
 			 * it until its QP fails: a collective's last packet did so (lab,
 			 * rate-limited links, every EV skipping) */
 			if (!(p.b8 & MRC_BTH_B8_RTX) || !seq ||
-			    ((p.psn - c->psn_hi) & 0xFFFFFF) - 1 < 0x7FFFFF)
+			    psn_diff(p.psn, c->psn_hi) - 1 < 0x7FFFFF)
 				c->psn_hi = p.psn;
 		}
 		ctr_inc(MRC_C_SPRAY_DATA);
@@ -291,11 +296,6 @@ int mrc_spray(struct xdp_md *ctx)
 }
 
 /* ------------------------------------------------------------------ ingress */
-
-static __always_inline __u32 psn_diff(__u32 a, __u32 b)   /* (a - b) mod 2^24 */
-{
-	return (a - b) & 0xFFFFFF;
-}
 
 static __always_inline int highest_bit(__u64 x)
 {
