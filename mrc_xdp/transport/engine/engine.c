@@ -697,14 +697,15 @@ static void fill_qp_stats(struct qp *q, struct mrc_qp_stats *s)
 	s->rttvar_ns = q->rttvar;
 	s->min_rtt_ns = q->min_rtt;
 	s->reo_wnd_ns = q->reo_wnd;
-	if (q->snd_una != q->snd_next && q->tx[q->snd_una & q->mask].psn == q->snd_una)
-		s->una_state = q->tx[q->snd_una & q->mask].state + 4 * q->tx[q->snd_una & q->mask].queued;
-	s->rtx_queued = q->rtx_tail - q->rtx_head;
 	{
+		const struct txp *u = &q->tx[q->snd_una & q->mask];
 		uint64_t now = now_ns();
 
+		if (q->snd_una != q->snd_next && u->psn == q->snd_una)
+			s->una_state = u->state + 4 * u->queued;
 		s->pace_wait_ns = q->pace_ns > now ? q->pace_ns - now : 0;
 	}
+	s->rtx_queued = q->rtx_tail - q->rtx_head;
 	s->rto_ns = q->rto;
 	s->cwnd = q->cwnd;
 	s->inflight = q->inflight;
