@@ -123,7 +123,8 @@ def _check_wc(c, what: str):
 
 def _summ_qp_stats(stats: list[dict]) -> dict:
     keys = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
-            "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "rx_bytes", "rx_dup", "rx_ce")
+            "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "rx_bytes", "rx_dup", "rx_ce",
+            "ce_reported")
     out = {k: sum(s.get(k, 0) for s in stats) for k in keys}
     if stats:
         out["cwnd"] = [s.get("cwnd") for s in stats]
