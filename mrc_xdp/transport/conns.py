@@ -33,7 +33,7 @@ import json
 import os
 
 from mrc_xdp.datapath import bpfsys
-from mrc_xdp.datapath.config import Connection, EvSpec
+from mrc_xdp.datapath.config import Connection, EvSpec, backup_max
 from mrc_xdp.datapath.maps import (ACTIVE_MAX, MAX_CONNS, SLOTS, NotLoaded, conn_key, index_probes,
                                    pin_dir, put_connection, state_path)
 from mrc_xdp.datapath.shared import EvState, const, ffi, sizeof
@@ -239,9 +239,9 @@ def _add(m, state, peer, local_qpn, remote_qpn, name, ev_per_plane, backup_per_p
     backup_per_plane = 4 if backup_per_plane is None else backup_per_plane
     if not 1 <= ev_per_plane <= ACTIVE_MAX // nplanes:
         raise ConnError("ev_per_plane: %d is out of range (1..%d)" % (ev_per_plane, ACTIVE_MAX // nplanes))
-    if not 0 <= backup_per_plane <= const("MRC_BACKUP_PER_PLANE_MAX"):
+    if not 0 <= backup_per_plane <= backup_max(nplanes):
         raise ConnError("backup_per_plane: %d is out of range (0..%d)"
-                        % (backup_per_plane, const("MRC_BACKUP_PER_PLANE_MAX")))
+                        % (backup_per_plane, backup_max(nplanes)))
 
     conn = Connection(peer=peer, local_qpn=local_qpn, remote_qpn=remote_qpn,
                       ev_per_plane=ev_per_plane, backup_per_plane=backup_per_plane,
