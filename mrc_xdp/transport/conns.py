@@ -276,23 +276,43 @@ def _zero(mp: bpfsys.Map, key: int) -> None:
     mp.update(key, bytes(mp.value_size))
 
 
-def _clear_slots(m: _Maps, cid: int, slots=None) -> None:
+def _clear_slots(m: _Maps, cid: int, slots=None, sweep: bool = True) -> None:
     """Zero connection id cid's array entries (its EV slots and their counters: all
     MRC_EV_SLOTS of them, or only `slots`; the PSN ring; the rotation) and delete its hash
-    entries, except the mrc_connidx keys (the caller removes those first).  Writes zeros
-    without looking first: a lookup costs as much as the write."""
-    evs, ctr = m["mrc_evs"], m["mrc_evctr"]
+    entries, except the mrc_connidx keys (the caller removes those first): the mrc_evidx
+    keys of the EVs in its slots, then (sweep) every mrc_evidx and mrc_rxev key naming cid
+    (_sweep; remove_many sweeps once for all its ids).  Writes zeros without looking
+    first: a lookup costs as much as the write."""
+    evs, ctr, evidx = m["mrc_evs"], m["mrc_evctr"], m["mrc_evidx"]
     zero_ev, zero_ctr = bytes(evs.value_size), [bytes(ctr.value_size)] * bpfsys.NCPUS
+    k = ffi.new("struct mrc_evidx_key *")
+    k.conn = cid
     for slot in (range(SLOTS) if slots is None else slots):
+        raw = evs.lookup(cid * SLOTS + slot)
+        if raw is not None and raw != zero_ev:
+            k.ev = _struct("struct mrc_ev", raw).ev
+            evidx.delete(bytes(ffi.buffer(k)))
         evs.update(cid * SLOTS + slot, zero_ev)
         ctr.update(cid * SLOTS + slot, zero_ctr)
-    psn, zero_psn = m["mrc_psn"], bytes(m["mrc_psn"].value_size)
-    for i in range(PSN_RING):
-        psn.update(cid * PSN_RING + i, zero_psn)
+    m["mrc_psn"].zero_range(cid * PSN_RING, PSN_RING)
     _zero(m["mrc_rot"], cid)
-    for hmap in (m["mrc_evidx"], m["mrc_rxev"]):
-        for kb in list(hmap.keys()):
-            if int.from_bytes(kb[:4], "little") == cid:
+    if sweep:
+        _sweep(m, {cid}, ("mrc_evidx", "mrc_rxev"))
+
+
+def _sweep(m: _Maps, cids: set, names=("mrc_evidx", "mrc_rxev", "mrc_connidx")) -> None:
+    """Delete every key of the named hash maps that names one of cids (mrc_evidx,
+    mrc_rxev: the key's connection; mrc_connidx: the value), e.g. written by hand, or the
+    received-per-EV rows, whose sender EVs nobody knows.  One batch read per map."""
+    for n in names:
+        hmap = m[n]
+        for kb in hmap.keys_batch():
+            if n == "mrc_connidx":
+                v = hmap.lookup(kb)
+                hit = v is not None and int.from_bytes(v, "little") in cids
+            else:
+                hit = int.from_bytes(kb[:4], "little") in cids
+            if hit:
                 hmap.delete(kb)
 
 
@@ -314,31 +334,63 @@ def remove(instance: str, peer: str, local_qpn: int) -> dict:
             m.close()
 
 
-def _remove(m: _Maps, state: dict, cid: int) -> dict:
+def _remove(m: _Maps, state: dict, cid: int, batch: bool = False) -> dict:
+    """Remove connection cid.  batch (remove_many): leave the sweeps, the probe keys'
+    heir and the state file to the caller, who does them once for all."""
     conns = state["connections"]
     meta = conns[cid]
     c = _conn_at(m, cid)
     peer = str(ipaddress.IPv6Address(bytes(c.peer)))
     for d, q in ((0, c.remote_qpn), (1, c.local_qpn)):
         m["mrc_connidx"].delete(conn_key(peer, q, d))
-    # any key still naming this id (e.g. written by hand) goes too
-    for kb, v in list(m["mrc_connidx"].items()):
-        if int.from_bytes(v, "little") == cid:
-            m["mrc_connidx"].delete(kb)
+    if not batch:       # any key still naming this id (e.g. written by hand) goes too
+        _sweep(m, {cid}, ("mrc_connidx",))
     nplanes = len(state.get("planes", [])) or 1
     slots = _slots(c.ev_per_plane, c.backup_per_plane, nplanes)
     _zero(m["mrc_conns"], cid)       # the per-CPU connection cache no longer matches
-    _clear_slots(m, cid, slots)
+    _clear_slots(m, cid, slots, sweep=not batch)
     conns[cid] = None
-    # connectionless probes of this peer stay answered while another connection to it lives
-    paddr = ipaddress.IPv6Address(peer)
-    heir = next((i for i, o in enumerate(conns) if o and ipaddress.IPv6Address(o["peer"]) == paddr), None)
-    if heir is not None:
-        index_probes(m, peer, heir, replace=True)
+    if not batch:
+        _heirs(m, conns, {peer})
+        _write_state(state)
+    return dict(meta, id=cid, peer=meta.get("peer", peer))
+
+
+def _heirs(m: _Maps, conns: list, peers: set) -> None:
+    """Connectionless probes of a peer stay answered while another connection to it
+    lives: its probe keys go to the first one left.  Trims trailing free ids."""
+    for peer in peers:
+        paddr = ipaddress.IPv6Address(peer)
+        heir = next((i for i, o in enumerate(conns) if o and ipaddress.IPv6Address(o["peer"]) == paddr), None)
+        if heir is not None:
+            index_probes(m, peer, heir, replace=True)
     while conns and conns[-1] is None:
         conns.pop()
-    _write_state(state)
-    return dict(meta, id=cid)
+
+
+def remove_many(instance: str, items) -> list[dict]:
+    """Remove the connections (peer, local_qpn) of items that exist, under one lock, with
+    one state-file write and one sweep of the hash maps for all of them (an endpoint
+    closing 1024 QPs: remove() each would read every hash map 1024 times).  Returns the
+    metadata of those removed."""
+    with _locked(instance):
+        state = _read_state(instance)
+        cids = []
+        for peer, qpn in items:
+            cid = _find(state, ipaddress.IPv6Address(peer), qpn)
+            if cid is not None and cid not in cids:
+                cids.append(cid)
+        if not cids:
+            return []
+        m = _Maps(instance)
+        try:
+            out = [_remove(m, state, cid, batch=True) for cid in cids]
+            _sweep(m, set(cids))
+            _heirs(m, state["connections"], {str(ipaddress.IPv6Address(o["peer"])) for o in out})
+            _write_state(state)
+            return out
+        finally:
+            m.close()
 
 
 def remove_owned(instance: str, owner: int) -> list[dict]:
@@ -363,7 +415,11 @@ def reap(instance: str) -> list[dict]:
             return []
         m = _Maps(instance)
         try:
-            return [_remove(m, state, cid) for cid in dead]     # ascending: later ids stay put
+            out = [_remove(m, state, cid, batch=True) for cid in dead]   # ascending: later ids stay put
+            _sweep(m, set(dead))
+            _heirs(m, state["connections"], {str(ipaddress.IPv6Address(o["peer"])) for o in out})
+            _write_state(state)
+            return out
         finally:
             m.close()
 
