@@ -130,12 +130,14 @@ def _rows_zero(inst: str, cids) -> list[str]:
 
 def test_1024_qps_at_once(pair):
     """One endpoint with MRC_MAX_CONNS (1024) QPs: every QP a datapath connection (the 4 of
-    the config and 1020 added at connect), a Write-with-Immediate posted on every one of
-    them before any completes, every byte checked; closing both endpoints brings fds,
+    the config and 1020 added at connect), a 64 KiB Write-with-Immediate posted on every
+    one of them before any completes (64 MiB, 20 packets a QP: more than the endpoint's
+    4096 TX frames, so QPs wait for frames and take turns), every byte checked; closing
+    both endpoints brings fds,
     threads, UMEM frames, datapath map entries and connections back to the baseline."""
     import hashlib
     from mrc_xdp.datapath.shared import const
-    n, size = const("MRC_MAX_CONNS"), 8192
+    n, size = const("MRC_MAX_CONNS"), 65536
     base = {i: _map_entries(i) for i in (pair.ia, pair.ib)}
     fd0, th0 = fds(), threads()
     t0 = time.monotonic()
