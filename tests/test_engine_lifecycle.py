@@ -172,8 +172,9 @@ def test_1024_qps_at_once(pair):
         assert imms == set(range(n))
         assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
         assert dst == src
-        sent = [qa.stats()["tx_pkts"] for qa, _ in qps]
-        assert min(sent) >= 1, "a QP sent nothing"
+        st = [qa.stats() for qa, _ in qps]
+        assert min(x["tx_pkts"] for x in st) >= 1, "a QP sent nothing"
+        rtx = (sum(x["rtx_pkts"] for x in st), sum(x["rtx_timeout"] for x in st), sum(x["tx_pkts"] for x in st))
         t_data = time.monotonic() - t0 - t_open
         time.sleep(0.1)             # the last completions' frames come back
         assert (A.stats()["umem_free"], B.stats()["umem_free"]) == free0
@@ -181,7 +182,8 @@ def test_1024_qps_at_once(pair):
         A.close()
         B.close()
     t_all = time.monotonic() - t0
-    print("1024 QPs: open+connect %.1f s, data %.1f s, all with close %.1f s" % (t_open, t_data, t_all))
+    print("1024 QPs: open+connect %.1f s, data %.1f s, all with close %.1f s; resent %d (RTO %d) of %d packets"
+          % ((t_open, t_data, t_all) + rtx))
     assert fds() == fd0 and threads() == th0
     for i in (pair.ia, pair.ib):
         assert _map_entries(i) == base[i], i
