@@ -51,6 +51,12 @@ if [ ! -e "$KBUILD/include/linux/kconfig.h" ]; then
 fi
 
 apt_ensure /var/log/mrc-xdp-setup-apt.log "${APT_PKGS[@]}"
+# MRC_SETUP_APT_ONLY=1 stops here, with the Debian packages only: the agent image's first
+# layer (deploy/kubernetes/Containerfile), which stays cached while only the sources change.
+if [ "${MRC_SETUP_APT_ONLY:-0}" = 1 ]; then
+    say "Debian packages ready; stopping (MRC_SETUP_APT_ONLY=1)"
+    exit 0
+fi
 
 # ---------------------------------------------------------------- kernel headers
 # Prints the tree bcc should use; builds the merged tree under /var/cache/mrc-xdp
