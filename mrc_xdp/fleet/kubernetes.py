@@ -18,7 +18,9 @@ only replace what differs per node or per build:
 - ``env``: {NAME: value} set in the agent container's environment (replacing the
   manifest's value of NAME): e.g. the daemon's socket where several agents share one
   machine's /run/mrc-xdp (the netns lab);
-- ``name``: the Pod's name (default ``<daemonset>-<node>``, or the DaemonSet's name).
+- ``node``: the node's name: the Pod is ``<daemonset>-<node>`` (or ``name``) and each
+  ConfigMap ``<configmap>-<node>``, one per node as docs/fleet.md says a fleet needs
+  (podman keeps a ConfigMap as a volume of that name, shared by every pod that names it).
 
 One change is podman's: with ``hostNetwork: true`` the containers' ``ports`` are dropped
 (``podman=True``, the default).  podman 4.3's kube play refuses every port of a pod on
@@ -108,6 +110,9 @@ def pod_documents(path: str = DAEMONSET, image: str | None = None, host_config: 
     for v in spec.get("volumes") or []:
         if "configMap" in v:
             cm = copy.deepcopy(_one(docs, "ConfigMap", v["configMap"].get("name"), path))
+            if node:    # one ConfigMap per node (docs/fleet.md); podman keeps each as a volume of that name
+                cm.setdefault("metadata", {})["name"] = v["configMap"]["name"] = "%s-%s" % (
+                    v["configMap"]["name"], node)
             maps.append(cm)
     if host_config is not None:
         cms = [cm for cm in maps if CONFIG_KEY in (cm.get("data") or {})]
