@@ -15,6 +15,7 @@ when they changed (tens of seconds; minutes from nothing, see docs/fleet.md).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -156,7 +157,8 @@ def lab():
         fabric.up(topology.load(mode="srv6"), prefix=prefix)
         yield {"prefix": prefix, "tmp": tmp}
     finally:
-        loader.unload(prefix + "h0", quiet_missing=True)
+        for h in ("h0", "h1", "h2", "h3"):
+            loader.unload(prefix + h, quiet_missing=True)
         fabric.down(prefix)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -167,86 +169,129 @@ def _xdp_progs(ns: str) -> list[str]:
     return sorted(l.split()[4] for l in out.splitlines() if l.strip().startswith("prog/xdp"))
 
 
+class Pod:
+    """One lab host's agent pod: its YAML from `mrc-xdp fleet pod --lab-host`, a free
+    metrics port, the names podman gives it."""
+
+    def __init__(self, lab, host: str, image: str):
+        from mrc_xdp.datapath.maps import PIN_ROOT, STATE_DIR
+        self.inst = self.ns = lab["prefix"] + host
+        self.listen = "127.0.0.1:%d" % _free_port()
+        self.yaml = os.path.join(lab["tmp"], "pod-%s.yaml" % host)
+        out = H.cli("fleet", "pod", "--lab-host", host, "--prefix", lab["prefix"], "--image", image,
+                    "--env", "MRC_METRICS_LISTEN=" + self.listen, "-o", self.yaml).stdout
+        assert "Pod mrc-xdp-%s" % self.inst in out, out
+        docs = list(yaml.safe_load_all(open(self.yaml)))
+        self.name = docs[-1]["metadata"]["name"]
+        self.agent = self.name + "-agent"
+        self.cm = docs[0]["metadata"]["name"]
+        self.env = {e["name"]: e["value"] for e in docs[-1]["spec"]["containers"][0]["env"]}
+        self.sock = self.env["MRC_XDP_DAEMON_SOCKET"]
+        assert self.env["MRC_NETNS"] == self.ns and self.sock.startswith("/run/mrc-xdp/")
+        self.pins = os.path.join(PIN_ROOT, self.inst)
+        self.state = os.path.join(STATE_DIR, self.inst + ".json")
+
+    def logs(self) -> str:
+        return podman("logs", self.agent, check=False).stderr
+
+    def play(self, timeout: float = 240) -> tuple[float, float]:
+        """kube play, then wait for mrc_daemon_up 1 on the endpoint: (play s, up s)."""
+        t0 = time.monotonic()
+        podman("kube", "play", self.yaml)
+        t_play = time.monotonic() - t0
+        while time.monotonic() - t0 < timeout:
+            text = _scrape(self.listen)
+            if text and 'mrc_daemon_up{mrc_instance="%s"} 1.0' % self.inst in text:
+                return t_play, time.monotonic() - t0
+            st = podman("pod", "inspect", self.name, "--format", "{{.State}}", check=False).stdout.strip()
+            assert st in ("Running", "Degraded", ""), (st, self.logs()[-3000:])
+            time.sleep(0.5)
+        raise AssertionError(("no mrc_daemon_up 1 in %d s" % timeout, self.logs()[-3000:]))
+
+    def status(self) -> dict:
+        return json.loads(H.cli("status", "-i", self.inst, "--json").stdout)[0]
+
+    def stop(self) -> float:
+        """SIGTERM (podman 4.3's `kube down` kills at once: docs/fleet.md), then delete."""
+        t = time.monotonic()
+        podman("pod", "stop", "-t", "30", self.name)
+        dt = time.monotonic() - t
+        assert "mrc-xdp-agent: datapath %s unloaded" % self.inst in self.logs(), self.logs()[-3000:]
+        assert podman("inspect", self.agent, "--format", "{{.State.ExitCode}}").stdout.strip() == "0"
+        podman("kube", "down", self.yaml)
+        podman("volume", "rm", self.cm)
+        return dt
+
+    def cleanup(self):
+        podman("pod", "stop", "-t", "30", self.name, check=False)
+        podman("kube", "down", self.yaml, check=False)
+        podman("volume", "rm", "-f", self.cm, check=False)
+
+    def assert_gone(self):
+        """No pod, container or volume; no datapath, state file, XDP program or socket."""
+        assert podman("pod", "exists", self.name, check=False).returncode != 0
+        assert podman("volume", "exists", self.cm, check=False).returncode != 0
+        assert not podman("ps", "-a", "--filter", "name=" + self.name, "-q").stdout.strip()
+        assert self.inst not in json.dumps(json.loads(H.cli("status", "--json").stdout))
+        assert not os.path.exists(self.pins) and not os.path.exists(self.state)
+        assert _xdp_progs(self.ns) == []
+        assert not os.path.exists(self.sock)
+        assert _scrape(self.listen) is None
+
+
 def test_agent_pod_on_lab_host(image, lab):
     """The DaemonSet's pod template under `podman kube play` on lab host h0: the agent
     loads the datapath into h0's namespace and runs the daemon and the endpoint; the host
     sees the instance (`status --json`, the pins, XDP on h0's devices, mrc_daemon_up 1);
     the pod stopped and deleted unloads it and leaves nothing."""
-    from mrc_xdp.datapath.maps import PIN_ROOT, STATE_DIR
-    prefix, host = lab["prefix"], "h0"
-    inst = ns = prefix + host
-    listen = "127.0.0.1:%d" % _free_port()
-    pod_yaml = os.path.join(lab["tmp"], "pod.yaml")
-    out = H.cli("fleet", "pod", "--lab-host", host, "--prefix", prefix, "--image", image,
-                "--env", "MRC_METRICS_LISTEN=" + listen, "-o", pod_yaml).stdout
-    assert "Pod mrc-xdp-%s" % inst in out, out
-    docs = list(yaml.safe_load_all(open(pod_yaml)))
-    pod_name = docs[-1]["metadata"]["name"]
-    cm_name = docs[0]["metadata"]["name"]
-    env = {e["name"]: e["value"] for e in docs[-1]["spec"]["containers"][0]["env"]}
-    sock = env["MRC_XDP_DAEMON_SOCKET"]
-    assert env["MRC_NETNS"] == ns and sock.startswith("/run/mrc-xdp/")
-    pins = os.path.join(PIN_ROOT, inst)
-    state = os.path.join(STATE_DIR, inst + ".json")
+    pod = Pod(lab, "h0", image)
     # before: the lab's link model on h0's plane NICs (the load replaces it), no datapath
-    assert not os.path.exists(pins) and set(_xdp_progs(ns)) <= {"mrc_link"}
-
-    stopped = False
+    assert not os.path.exists(pod.pins) and set(_xdp_progs(pod.ns)) <= {"mrc_link"}
     try:
         t0 = time.monotonic()
-        podman("kube", "play", pod_yaml)
-        t_play = time.monotonic() - t0
-        up = None
-        while time.monotonic() - t0 < 240:
-            text = _scrape(listen)
-            if text and 'mrc_daemon_up{mrc_instance="%s"} 1.0' % inst in text:
-                up = time.monotonic() - t0
-                break
-            st = podman("pod", "inspect", pod_name, "--format", "{{.State}}", check=False).stdout.strip()
-            assert st in ("Running", "Degraded", ""), (st, podman("logs", pod_name + "-agent", check=False).stderr)
-            time.sleep(0.5)
-        logs = podman("logs", pod_name + "-agent", check=False)
-        assert up is not None, ("no mrc_daemon_up 1 in 240 s", logs.stdout[-2000:], logs.stderr[-3000:])
+        t_play, up = pod.play()
         print("kube play returned in %.1f s; datapath loaded, daemon and endpoint up at %.1f s" % (t_play, up))
-        assert "mrc-xdp-agent: datapath %s loaded from /etc/mrc-xdp/host.toml in netns %s" % (inst, ns) in logs.stderr
-
+        assert "mrc-xdp-agent: datapath %s loaded from /etc/mrc-xdp/host.toml in netns %s" % (pod.inst, pod.ns) \
+            in pod.logs()
         # visible from the host
-        sts = json.loads(H.cli("status", "-i", inst, "--json").stdout)
-        s = sts[0]
-        assert s["instance"] == inst and s["netns"] == ns and s["mode"] == "srv6"
+        s = pod.status()
+        assert s["instance"] == pod.inst and s["netns"] == pod.ns and s["mode"] == "srv6"
         assert s["config_path"] == "/etc/mrc-xdp/host.toml"      # the ConfigMap, inside the pod
         assert [c["peer"] for c in s["connections"]] == ["fd00:100::2", "fd00:100::3", "fd00:100::4"]
         assert sum(s["active_evs_by_state"].values()) == 48, s["active_evs_by_state"]
         assert s["plane_rotation"] and all(r["in_rotation"] for r in s["plane_rotation"])
-        assert {"prog_spray", "prog_ingress", "prog_engine", "mrc_evs"} <= set(os.listdir(pins))
-        assert _xdp_progs(ns) == ["mrc_ingress", "mrc_ingress", "mrc_spray", "mrc_to_engine"]
-        assert os.path.exists(sock)
-        metrics = _scrape(listen)
-        assert 'mrc_daemon_up{mrc_instance="%s"} 1.0' % inst in metrics
-
-        # deleted: SIGTERM first (podman 4.3's `kube down` kills at once, docs/fleet.md)
-        t1 = time.monotonic()
-        podman("pod", "stop", "-t", "30", pod_name)
-        t_stop = time.monotonic() - t1
-        stopped = True
-        logs = podman("logs", pod_name + "-agent", check=False)
-        assert "mrc-xdp-agent: datapath %s unloaded" % inst in logs.stderr, logs.stderr[-3000:]
-        assert podman("inspect", pod_name + "-agent", "--format", "{{.State.ExitCode}}").stdout.strip() == "0"
-        podman("kube", "down", pod_yaml)
-        podman("volume", "rm", cm_name)
+        assert {"prog_spray", "prog_ingress", "prog_engine", "mrc_evs"} <= set(os.listdir(pod.pins))
+        assert _xdp_progs(pod.ns) == ["mrc_ingress", "mrc_ingress", "mrc_spray", "mrc_to_engine"]
+        assert os.path.exists(pod.sock)
+        assert 'mrc_daemon_up{mrc_instance="%s"} 1.0' % pod.inst in _scrape(pod.listen)
+        # deleted
+        t_stop = pod.stop()
         print("pod stop (unload) %.1f s, total %.1f s" % (t_stop, time.monotonic() - t0))
     finally:
-        if not stopped:
-            podman("pod", "stop", "-t", "30", pod_name, check=False)
-        podman("kube", "down", pod_yaml, check=False)
-        podman("volume", "rm", "-f", cm_name, check=False)
+        pod.cleanup()
+    pod.assert_gone()
+    assert not os.path.exists(os.path.dirname(pod.sock))     # the directory the agent made for it
 
-    # nothing left: no pod, no container, no volume, no datapath, no files
-    assert podman("pod", "exists", pod_name, check=False).returncode != 0
-    assert podman("volume", "exists", cm_name, check=False).returncode != 0
-    assert not podman("ps", "-a", "--filter", "pod=" + pod_name, "-q").stdout.strip()
-    assert inst not in json.dumps(json.loads(H.cli("status", "--json").stdout))
-    assert not os.path.exists(pins) and not os.path.exists(state)
-    assert _xdp_progs(ns) == []
-    assert not os.path.exists(sock) and not os.path.exists(os.path.dirname(sock))
-    assert _scrape(listen) is None
+
+def test_killed_agent_is_replaced_by_the_next_pod(image, lab):
+    """A pod killed (SIGKILL: no unload) leaves its datapath loaded; the node's next pod
+    loads over it (`load --force`), runs, and unloads it when deleted."""
+    pod = Pod(lab, "h1", image)
+    try:
+        pod.play()
+        first = pod.status()
+        podman("pod", "kill", "--signal", "KILL", pod.name)
+        podman("kube", "down", pod.yaml)
+        assert os.path.exists(pod.pins) and pod.status()["prog_ids"] == first["prog_ids"]
+        assert _scrape(pod.listen) is None
+        pod.play()
+        second = pod.status()
+        assert second["loaded_at"] > first["loaded_at"] and second["prog_ids"] != first["prog_ids"]
+        assert _xdp_progs(pod.ns) == ["mrc_ingress", "mrc_ingress", "mrc_spray", "mrc_to_engine"]
+        pod.stop()
+    finally:
+        pod.cleanup()
+    pod.assert_gone()
+    # the killed pod's agent could not remove the socket's directory; the second did not make it
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(pod.sock))
