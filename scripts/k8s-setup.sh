@@ -62,7 +62,9 @@ EOF
     debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >>"$LOG" 2>&1 \
         || { tail -n 15 "$LOG" >&2; die "debootstrap failed (log: $LOG)"; }
     say "debootstrap: $(( $(date +%s) - t )) s; podman import"
-    tar -C "$rootfs" -c . | podman import - "$BASE" >>"$LOG" 2>&1 || die "podman import failed (log: $LOG)"
+    # an imported image has no environment at all: PATH as Debian's images set it
+    tar -C "$rootfs" -c . | podman import --change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+        - "$BASE" >>"$LOG" 2>&1 || die "podman import failed (log: $LOG)"
     rm -rf "$rootfs"
     trap - EXIT
     say "base image $BASE imported ($(( $(date +%s) - t )) s)"
