@@ -1,5 +1,6 @@
-"""`mrc-xdp fleet inventory`, `mrc-xdp fleet prometheus-config` (and `mrc-xdp lab inventory`,
-the same as `fleet inventory`): the fleet tools of mrc_xdp.fleet as commands (docs/fleet.md)."""
+"""`mrc-xdp fleet inventory`, `mrc-xdp fleet prometheus-config`, `mrc-xdp fleet pod` (and
+`mrc-xdp lab inventory`, the same as `fleet inventory`): the fleet tools of mrc_xdp.fleet as
+commands (docs/fleet.md)."""
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,12 @@ def add_inventory_parser(sub) -> None:
 
 
 def add_parsers(sub) -> None:
-    fp = sub.add_parser("fleet", help="fleet tools: an Ansible inventory of a lab, Prometheus config of an inventory",
+    fp = sub.add_parser("fleet", help="fleet tools: an Ansible inventory of a lab, Prometheus config of an "
+                        "inventory, the Kubernetes pod for podman",
                         description="The fleet's tools (docs/fleet.md): `inventory` writes an Ansible inventory of "
                         "a running lab for deploy/ansible/; `prometheus-config` a Prometheus configuration "
-                        "scraping every host of an inventory.", epilog=EPILOG,
+                        "scraping every host of an inventory; `pod` the Kubernetes DaemonSet's pod template "
+                        "as a Pod for `podman kube play`.", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = fp.add_subparsers(dest="fleet_cmd", metavar="ACTION", required=True)
     add_inventory_parser(sub)
