@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 
-.PHONY: setup fleet-setup kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo train-demo test bench evaluate clean
+.PHONY: setup fleet-setup k8s-image kmatrix-setup kmatrix vm-setup vm-box vm-test vm-up vm-down demo train-demo test bench evaluate clean
 
 setup:
 	bash scripts/setup.sh
@@ -19,11 +19,18 @@ train-demo: setup
 fleet-setup: setup
 	bash scripts/fleet-setup.sh
 
+# the Kubernetes agent's image (tests/test_kubernetes.py, docs/fleet.md): podman, runc and
+# debootstrap from Debian, the base localhost/debian:bookworm (debootstrap, podman import)
+# and localhost/mrc-xdp:dev from this checkout, cached in podman's store
+# (/var/lib/containers/storage); from nothing ~3 min, after a change of the sources ~30 s
+k8s-image: setup
+	bash scripts/k8s-setup.sh
+
 # the kernel matrix (tests/test_kernel_matrix.py) needs QEMU, virtme-ng and the kernels
 kmatrix-setup: setup
 	bash scripts/kmatrix-setup.sh
 
-test: setup fleet-setup kmatrix-setup vm-setup
+test: setup fleet-setup k8s-image kmatrix-setup vm-setup
 	$(PY) -m pytest -ra tests
 
 # the VM lab (vagrant/README.md): QEMU, debootstrap, Vagrant + vagrant-libvirt, guest kernel

@@ -1,5 +1,6 @@
-"""`mrc-xdp fleet inventory`, `mrc-xdp fleet prometheus-config` (and `mrc-xdp lab inventory`,
-the same as `fleet inventory`): the fleet tools of mrc_xdp.fleet as commands (docs/fleet.md)."""
+"""`mrc-xdp fleet inventory`, `mrc-xdp fleet prometheus-config`, `mrc-xdp fleet pod` (and
+`mrc-xdp lab inventory`, the same as `fleet inventory`): the fleet tools of mrc_xdp.fleet as
+commands (docs/fleet.md)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import json
 import os
 import sys
 
-from mrc_xdp.fleet import FleetError, inventory, prometheus
+from mrc_xdp.fleet import FleetError, inventory, kubernetes, prometheus
 
 EPILOG = """\
 examples:
@@ -41,10 +42,12 @@ def add_inventory_parser(sub) -> None:
 
 
 def add_parsers(sub) -> None:
-    fp = sub.add_parser("fleet", help="fleet tools: an Ansible inventory of a lab, Prometheus config of an inventory",
+    fp = sub.add_parser("fleet", help="fleet tools: an Ansible inventory of a lab, Prometheus config of an "
+                        "inventory, the Kubernetes pod for podman",
                         description="The fleet's tools (docs/fleet.md): `inventory` writes an Ansible inventory of "
                         "a running lab for deploy/ansible/; `prometheus-config` a Prometheus configuration "
-                        "scraping every host of an inventory.", epilog=EPILOG,
+                        "scraping every host of an inventory; `pod` the Kubernetes DaemonSet's pod template "
+                        "as a Pod for `podman kube play`.", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = fp.add_subparsers(dest="fleet_cmd", metavar="ACTION", required=True)
     add_inventory_parser(sub)
@@ -60,10 +63,38 @@ def add_parsers(sub) -> None:
     p.add_argument("--interval", default="5s", help="scrape and rule evaluation interval (default 5s)")
     p.add_argument("--job", default=prometheus.JOB, help="job name (default %(default)s)")
     p.set_defaults(fn=cmd_fleet, func=cmd_fleet, fleet_cmd="prometheus-config")
+    p = sub.add_parser("pod", help="the DaemonSet's pod template as a Pod for `podman kube play`",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Write the DaemonSet's pod template (deploy/kubernetes/daemonset.yaml) as "
+                       "one node's Pod, with the ConfigMaps it mounts, for `podman kube play` (which does not "
+                       "take kind: DaemonSet).  The template is taken as it is; only the image, the host "
+                       "config and the name can be replaced.",
+                       epilog="example (docs/fleet.md, \"Kubernetes\"):\n"
+                       "  mrc-xdp lab up --no-hosts --prefix k8-\n"
+                       "  mrc-xdp fleet pod --lab-host h0 --prefix k8- -o pod.yaml\n"
+                       "  CONTAINERS_CONF=deploy/kubernetes/containers.conf podman kube play pod.yaml\n"
+                       "  CONTAINERS_CONF=deploy/kubernetes/containers.conf podman kube down pod.yaml")
+    p.add_argument("--daemonset", default=kubernetes.DAEMONSET, metavar="FILE",
+                   help="the manifest (default: this checkout's deploy/kubernetes/daemonset.yaml)")
+    p.add_argument("--image", help="the agent's image (default: the manifest's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--host-config", metavar="FILE", help="a host config (TOML) for the ConfigMap's host.toml")
+    g.add_argument("--lab-host", metavar="HOST", help="act as this netns lab host (e.g. h0): its host config, "
+                   "and in the agent's environment its namespace (MRC_NETNS), daemon socket and metrics "
+                   "endpoint, as `mrc-xdp lab inventory` gives them")
+    p.add_argument("--prefix", default=os.environ.get("MRC_LAB_PREFIX", "mrc-"),
+                   help="with --lab-host: the lab's prefix (default mrc- or $MRC_LAB_PREFIX)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set NAME in the agent's environment (repeatable; replaces the manifest's value)")
+    p.add_argument("--name", help="the Pod's name (default <daemonset>-<lab host>, or the DaemonSet's)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE (default: print it)")
+    p.set_defaults(fn=cmd_fleet, func=cmd_fleet, fleet_cmd="pod")
 
 
 def cmd_fleet(args) -> int:
     try:
+        if args.fleet_cmd == "pod":
+            return _cmd_pod(args)
         if args.fleet_cmd == "inventory":
             inv = inventory.lab_inventory(args.prefix, args.state_dir, args.metrics_port, args.checkout)
             if not args.output:
@@ -94,3 +125,33 @@ def cmd_fleet(args) -> int:
     except FleetError as e:
         print("mrc-xdp fleet: %s" % e, file=sys.stderr)
         raise SystemExit(1)
+
+
+def _cmd_pod(args) -> int:
+    cfg = None
+    if args.host_config:
+        try:
+            with open(args.host_config) as f:
+                cfg = f.read()
+        except OSError as e:
+            raise FleetError("%s: %s" % (args.host_config, e.strerror or e)) from None
+    env = {}
+    if args.lab_host:
+        lh = kubernetes.lab_host(args.prefix, args.lab_host)
+        cfg = lh["config"]
+        env.update(lh["env"])
+    for e in args.env:
+        k, eq, v = e.partition("=")
+        if not eq or not k:
+            raise FleetError("--env %r: expected NAME=VALUE" % e)
+        env[k] = v
+    docs = kubernetes.pod_documents(args.daemonset, image=args.image, host_config=cfg, name=args.name,
+                                    node=(args.prefix + args.lab_host) if args.lab_host else None, env=env)
+    if not args.output:
+        sys.stdout.write(kubernetes.dump(docs))
+        return 0
+    kubernetes.write(docs, args.output)
+    pod = docs[-1]
+    print("wrote %s: Pod %s (image %s), %d ConfigMap(s)" % (
+        args.output, pod["metadata"]["name"], pod["spec"]["containers"][0].get("image"), len(docs) - 1))
+    return 0

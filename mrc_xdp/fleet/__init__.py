@@ -1,5 +1,6 @@
-"""The fleet: an Ansible inventory of running lab hosts, and a Prometheus scrape config
-generated from the same inventory (deploy/ansible/, deploy/prometheus/, docs/fleet.md).
+"""The fleet: an Ansible inventory of running lab hosts, a Prometheus scrape config
+generated from the same inventory, and the Kubernetes DaemonSet's pod for podman
+(deploy/ansible/, deploy/prometheus/, deploy/kubernetes/, docs/fleet.md).
 
 Its command line (mrc_xdp.cli.fleet):
 
@@ -20,6 +21,13 @@ Its command line (mrc_xdp.cli.fleet):
         config at it (a running Prometheus then follows fleet changes without a reload).
         -> fleet.prometheus.scrape_config(inv, rule_files, interval, job, targets_file)
            fleet.prometheus.targets(inv)
+
+    mrc-xdp fleet pod [--lab-host HOST --prefix P | --host-config FILE] [--image IMG]
+                      [--env NAME=VALUE]... [--name N] [--daemonset FILE] [-o FILE]
+        the Kubernetes DaemonSet's pod template (deploy/kubernetes/daemonset.yaml) as one
+        node's Pod with the ConfigMap it mounts, for `podman kube play`.
+        -> fleet.kubernetes.pod_documents(path, image, host_config, name, node, env)
+           fleet.kubernetes.lab_host(prefix, host)
 
 Library code: plain arguments in, dicts out, FleetError (one line) on failure; it never
 imports mrc_xdp.cli.  Messages name the command to run as INVENTORY_CMD.
