@@ -421,6 +421,8 @@ class Instance:
             if meta is None:        # an id freed by mrc_xdp.transport.conns.remove
                 continue
             raw = cm.lookup(cid)
+            if raw is None:         # the instance went away (or changed) under us
+                continue
             d = as_dict(ffi.cast("struct mrc_conn *", ffi.from_buffer(raw)))
             d["peer"] = str(ipaddress.IPv6Address(d["peer"]))
             d["id"] = cid
@@ -442,10 +444,13 @@ class Instance:
                     [ACTIVE_MAX + p * b + k for p in range(nplanes) for k in range(b)]
             for slot in slots:
                 raw = evs.lookup(c["id"] * SLOTS + slot)
+                if raw is None:     # likewise: no row to show
+                    continue
                 e = ffi.cast("struct mrc_ev *", ffi.from_buffer(raw))
                 if e.state == EvState.UNUSED:
                     continue
-                cnt = bpfsys.sum_u64_percpu(ctr.lookup(c["id"] * SLOTS + e.cidx), nctr)
+                vals = ctr.lookup(c["id"] * SLOTS + e.cidx)
+                cnt = bpfsys.sum_u64_percpu(vals, nctr) if vals is not None else [0] * nctr
                 row = {"conn": c["id"], "conn_name": c["name"], "slot": slot,
                        "role": "active" if slot < ACTIVE_MAX else "backup",
                        "ev": e.ev, "plane": e.plane, "t1": e.t1,
