@@ -51,6 +51,16 @@ SIOCGIFMTU = 0x8921
 DATA_OVERHEAD = 88
 PAYLOAD_ALIGN = 64          # the default payload is rounded down to this
 TSETH_LEN = 4               # more per packet with timestamps=1
+# The default payload is at most InfiniBand's largest path MTU (what MRC NICs use); larger
+# payloads (8, 16, 32 KiB ...) are a per-endpoint option (Endpoint(mtu=...)) where the path's
+# MTU allows them.  A payload larger than one UMEM frame holds goes as a multi-buffer packet
+# (AF_XDP XDP_USE_SG, Linux 6.6+): see engine.h `sg`.
+IB_PAYLOAD = 4096
+FRAME_SIZE = 4096           # engine.h: the UMEM frame (opts.frame_size default)
+RX_HEADROOM = 256           # engine.h MRC_ENG_RX_HEADROOM: an RX frame holds FRAME_SIZE - this
+ETH_LEN = 14
+SG_AUTO, SG_OFF, SG_ON = 0, 1, 2     # engine.h MRC_ENG_SG_*
+MAX_PAYLOAD = 65472         # an IPv6 packet of at most 65535 bytes, rounded down to 64
 
 
 class TransportError(RuntimeError):
@@ -130,9 +140,17 @@ def _dev_mtu(ns, dev) -> int:
             dev, " in netns %s" % ns if ns else "")) from None
 
 
-def default_payload(mtu: int) -> int:
-    """Payload bytes per data packet for an app_dev MTU (IPv6 packet size)."""
-    return max(PAYLOAD_ALIGN, (mtu - DATA_OVERHEAD) // PAYLOAD_ALIGN * PAYLOAD_ALIGN)
+def default_payload(mtu: int, cap: int = IB_PAYLOAD) -> int:
+    """Payload bytes per data packet for an app_dev MTU (IPv6 packet size): the largest
+    multiple of 64 the MTU allows, at most cap (IB_PAYLOAD, 4096)."""
+    return max(PAYLOAD_ALIGN, min(cap, (mtu - DATA_OVERHEAD) // PAYLOAD_ALIGN * PAYLOAD_ALIGN))
+
+
+def single_frame_payload(timestamps: bool = False) -> int:
+    """The largest payload (a multiple of 64) whose frame fits one UMEM RX frame: above
+    it a packet is multi-buffer (engine.c single_frame_payload)."""
+    over = ETH_LEN + DATA_OVERHEAD + (TSETH_LEN if timestamps else 0)
+    return (FRAME_SIZE - RX_HEADROOM - over) // PAYLOAD_ALIGN * PAYLOAD_ALIGN
 
 
 def local_addr(instance: str) -> str:
@@ -406,7 +424,7 @@ class CQ:
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
-              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us")
+              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "sg")
 SPIN_DEFAULT_US = 0         # engine.h MRC_ENG_SPIN_DEFAULT_US (off)
 SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
@@ -475,9 +493,16 @@ class Endpoint:
         conns.reap(instance)          # connections of endpoints that died without closing
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
-        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") == 1 else 0)
+        ts = cc_params.get("timestamps") == 1
+        overhead = DATA_OVERHEAD + (TSETH_LEN if ts else 0)
+        sg = int(cc_params.get("sg", SG_AUTO))
         if mtu is None:
-            mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD)
+            # the path's largest, at most 4096; one frame's worth with multi-buffer off.  With
+            # sg auto the engine falls back to one frame's worth if the kernel refuses it
+            mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD,
+                                  single_frame_payload(ts) if sg == SG_OFF else IB_PAYLOAD)
+        elif mtu > single_frame_payload(ts) and "sg" not in cc_params:
+            cc_params["sg"] = SG_ON      # asked for: multi-buffer, or a clear error
         if mtu <= 0 or mtu % 4 or mtu + overhead > dev_mtu:
             raise TransportError("mtu %d: the payload must be a positive multiple of 4 and at most "
                                  "%d (%s MTU %d minus %d bytes of headers)" % (
@@ -510,6 +535,8 @@ class Endpoint:
         if self._e == ffi.NULL:
             self._e = None
             raise TransportError(ffi.string(err).decode(errors="replace"))
+        lib.mrc_eng_get_opts(self._e, o)
+        self.payload = int(o.payload)      # the single-buffer fallback may have lowered it
         self._qps: dict[int, QP] = {}
         self._mrs: list[MR] = []
         self.cq = CQ(self)
@@ -541,6 +568,17 @@ class Endpoint:
         d = _struct_dict(ffi, st)
         d["payload"] = self.payload
         return d
+
+    @property
+    def path(self) -> str:
+        """Which receive/send path the socket took: "multi-buffer" (bound with XDP_USE_SG,
+        a packet over several UMEM frames) or "single-buffer", with why."""
+        st = self.stats()
+        if st["sg"]:
+            return "multi-buffer (XDP_USE_SG, %d frames per packet on TX, %d on RX, payload %d)" % (
+                st["tx_frames_pkt"], st["rx_frames_pkt"], self.payload)
+        why = " (the kernel refused XDP_USE_SG: %s)" % os.strerror(st["sg_refused"]) if st["sg_refused"] else ""
+        return "single-buffer%s, payload %d" % (why, self.payload)
 
     def options(self) -> dict:
         """The engine options in force (defaults filled in)."""

@@ -60,6 +60,14 @@
 #include "mrc_shared.h"
 #include "engine.h"
 
+/* AF_XDP multi-buffer (Linux 6.6+): Debian 12's linux/if_xdp.h predates both. */
+#ifndef XDP_USE_SG
+#define XDP_USE_SG    (1 << 4)   /* bind: the socket takes packets of several frames */
+#endif
+#ifndef XDP_PKT_CONTD
+#define XDP_PKT_CONTD (1 << 0)   /* xdp_desc.options: the packet goes on in the next descriptor */
+#endif
+
 #define PSN_MASK   0xFFFFFFu
 #define PSN_HALF   0x800000u
 #define RX_BATCH   64
@@ -72,6 +80,8 @@
 #define OFF_BTH    (OFF_UDP + UDP_HLEN)
 #define OFF_EXT    (OFF_BTH + MRC_BTH_LEN)
 #define ECT0       2
+#define RX_MAX_SEGS RX_BATCH   /* frames of one received packet we can hold (a longer chain is dropped) */
+#define RX_HDR_MIN 128         /* a multi-buffer packet's first frame holds at least this (every header) */
 
 static inline uint32_t psn_sub(uint32_t a, uint32_t b) { return (a - b) & PSN_MASK; }
 
@@ -217,14 +227,14 @@ static void crc_fast_check(void)
  * BTH byte 4 0xFF; ip6 excludes the trailer. */
 static uLong crc_lrh;
 
-static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
+#define ICRC_HDR (MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN)   /* the masked part: IPv6, UDP, BTH */
+
+/* The CRC after the masked LRH and the masked IPv6, UDP and BTH headers (ICRC_HDR bytes at ip6). */
+static uLong icrc_hdr(const uint8_t *ip6)
 {
 	static const uint8_t lrh[8] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
-	uint8_t hdr[MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN];
-	uLong crc;
+	uint8_t hdr[ICRC_HDR];
 
-	if (len < sizeof(hdr))
-		return 0;
 	memcpy(hdr, ip6, sizeof(hdr));
 	hdr[0] |= 0x0F;
 	hdr[1] = hdr[2] = hdr[3] = 0xFF;
@@ -233,8 +243,44 @@ static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
 	hdr[MRC_IPV6_LEN + UDP_HLEN + 4] = 0xFF;
 	if (!crc_lrh)
 		crc_lrh = crc32(0L, lrh, sizeof(lrh));  /* a constant: once */
-	crc = crc32(crc_lrh, hdr, sizeof(hdr));
-	crc = crc32_any(crc, ip6 + sizeof(hdr), len - sizeof(hdr), fast);
+	return crc32(crc_lrh, hdr, sizeof(hdr));
+}
+
+static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
+{
+	uLong crc;
+
+	if (len < ICRC_HDR)
+		return 0;
+	crc = icrc_hdr(ip6);
+	crc = crc32_any(crc, ip6 + ICRC_HDR, len - ICRC_HDR, fast);
+	return (uint32_t)crc;
+}
+
+/* The same over a packet held in several frames (multi-buffer): nseg pieces seg[i] of
+ * slen[i] bytes, the IPv6 header at offset off of the packet, len bytes (the trailer
+ * excluded).  The first piece holds at least off + ICRC_HDR bytes (callers check). */
+static uint32_t icrc_iov(uint8_t *const *seg, const uint32_t *slen, uint32_t nseg, uint32_t off,
+			 uint32_t len, int fast)
+{
+	uLong crc;
+	uint32_t i, k;
+
+	if (len < ICRC_HDR || !nseg || slen[0] < off + ICRC_HDR)
+		return 0;
+	crc = icrc_hdr(seg[0] + off);
+	off += ICRC_HDR;
+	len -= ICRC_HDR;
+	for (i = 0; i < nseg && len; i++) {
+		if (off >= slen[i]) {
+			off -= slen[i];
+			continue;
+		}
+		k = slen[i] - off < len ? slen[i] - off : len;
+		crc = crc32_any(crc, seg[i] + off, k, fast);
+		len -= k;
+		off = 0;
+	}
 	return (uint32_t)crc;
 }
 
@@ -347,6 +393,13 @@ struct qp {
 	struct mrc_qp_stats st;
 };
 
+/* The packet rx_frame is reading: its frames in order (one unless multi-buffer). */
+struct rxpkt {
+	uint32_t n, total;
+	uint8_t *seg[RX_MAX_SEGS];
+	uint32_t len[RX_MAX_SEGS];
+};
+
 struct mrc_eng {
 	struct mrc_eng_opts o;
 	pthread_mutex_t mu;          /* QPs, MRs, WRs: everything but the CQ */
@@ -365,6 +418,12 @@ struct mrc_eng {
 	uint64_t *tx_free;
 	uint32_t n_tx_free, n_tx_frames, n_rx_frames;
 	uint32_t tx_pending;         /* descriptors submitted, not yet kicked */
+	/* multi-buffer (XDP_USE_SG): a packet spans frames chained by XDP_PKT_CONTD */
+	int sg;                      /* bound with XDP_USE_SG */
+	uint32_t rx_cap;             /* bytes one RX frame holds (frame_size - XDP_PACKET_HEADROOM) */
+	uint32_t tx_fpp;             /* TX frames a full data packet takes */
+	struct rxpkt rxp;            /* the packet being received */
+	int rx_skip;                 /* dropping the rest of a chain too long to hold */
 	/* QPs, MRs */
 	struct qp *qph[QP_HASH];
 	struct qp *qps;              /* all QPs, a list */
@@ -750,6 +809,7 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 		memset(&xs, 0, sizeof(xs));
 		if (e->xsk_fd >= 0 && !getsockopt(e->xsk_fd, SOL_XDP, XDP_STATISTICS, &xs, &len)) {
 			out->xsk_rx_dropped = xs.rx_dropped;
+			out->xsk_tx_invalid = xs.tx_invalid_descs;
 			out->xsk_rx_ring_full = len >= offsetof(struct xdp_statistics, rx_ring_full) + 8 ? xs.rx_ring_full : 0;
 			out->xsk_fill_empty = len >= offsetof(struct xdp_statistics, rx_fill_ring_empty_descs) + 8 ?
 					      xs.rx_fill_ring_empty_descs : 0;
@@ -879,6 +939,61 @@ static int tx_submit(struct mrc_eng *e, uint64_t addr, uint32_t len)
 	return 0;
 }
 
+/* Multi-buffer TX: n free frames for one packet, all or none (-1). */
+static int tx_frames(struct mrc_eng *e, uint32_t n, uint64_t *addr)
+{
+	uint32_t i;
+
+	if (e->n_tx_free < n)
+		return -1;
+	for (i = 0; i < n; i++)
+		addr[i] = e->tx_free[--e->n_tx_free];
+	return 0;
+}
+
+/* Queue one packet of n frames (len[i] bytes each) on the TX ring as one chain: every
+ * descriptor but the last carries XDP_PKT_CONTD.  All or nothing: on a full ring the
+ * frames go back (-1). */
+static int tx_submit_chain(struct mrc_eng *e, const uint64_t *addr, const uint32_t *len, uint32_t n)
+{
+	uint32_t idx, i, total = 0;
+	struct xdp_desc *d;
+
+	if (xsk_ring_prod__reserve(&e->tx, n, &idx) != n) {
+		for (i = 0; i < n; i++)
+			e->tx_free[e->n_tx_free++] = addr[i];
+		e->st.tx_ring_full++;
+		return -1;
+	}
+	for (i = 0; i < n; i++) {
+		d = xsk_ring_prod__tx_desc(&e->tx, idx + i);
+		d->addr = addr[i];
+		d->len = len[i];
+		d->options = i + 1 < n ? XDP_PKT_CONTD : 0;
+		total += len[i];
+	}
+	xsk_ring_prod__submit(&e->tx, n);
+	e->tx_pending += n;
+	e->st.tx_frames++;
+	e->st.tx_bytes += total;
+	e->st.tx_mb++;
+	e->st.tx_mb_frames += n;
+	return 0;
+}
+
+/* Write n bytes at offset off of a packet laid out over frames fr[] of fs bytes each. */
+static void tx_put(uint8_t *const *fr, uint32_t fs, uint32_t off, const uint8_t *src, uint32_t n)
+{
+	uint32_t i = off / fs, o = off % fs, k;
+
+	for (; n; i++, o = 0) {
+		k = fs - o < n ? fs - o : n;
+		memcpy(fr[i] + o, src, k);
+		src += k;
+		n -= k;
+	}
+}
+
 static void tx_kick(struct mrc_eng *e)
 {
 	int i;
@@ -973,12 +1088,32 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
 	uint64_t now = now_ns();
 
+	uint64_t addrs[MRC_ENG_SG_MAX_FRAMES];
+	uint8_t *fr[MRC_ENG_SG_MAX_FRAMES];
+	uint32_t flen[MRC_ENG_SG_MAX_FRAMES], nfr, fs = e->o.frame_size, i;
+
 	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
 	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
 	ip_plen = frame_len - OFF_UDP;
-	f = tx_frame(e, &addr);
-	if (!f)
-		return -1;
+	/* a packet longer than a frame (multi-buffer, XDP_USE_SG): frames of fs bytes, the
+	 * headers at the start of the first, the payload running on through the others */
+	nfr = (frame_len + fs - 1) / fs;
+	if (nfr > MRC_ENG_SG_MAX_FRAMES || (nfr > 1 && !e->sg))
+		return -1;                       /* mrc_eng_open's checks make this impossible */
+	if (nfr == 1) {
+		f = tx_frame(e, &addr);
+		if (!f)
+			return -1;
+	} else {
+		if (tx_frames(e, nfr, addrs))
+			return -1;
+		for (i = 0; i < nfr; i++) {
+			fr[i] = (uint8_t *)e->area + addrs[i];
+			flen[i] = frame_len - i * fs < fs ? frame_len - i * fs : fs;
+		}
+		addr = addrs[0];
+		f = fr[0];
+	}
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
 		   (uint8_t)(pad << 4), (last || t->rto ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
 		   (ts_on ? MRC_BTH_B8_TS : 0), t->psn);
@@ -1002,11 +1137,24 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		put32(p, w->imm);
 		p += MRC_IMMDT_LEN;
 	}
-	memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
-	memset(p + t->len, 0, pad);
-	finish_frame(f, frame_len);
-	if (tx_submit(e, addr, frame_len))
-		return -1;
+	if (nfr == 1) {
+		memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
+		memset(p + t->len, 0, pad);
+		finish_frame(f, frame_len);
+		if (tx_submit(e, addr, frame_len))
+			return -1;
+	} else {
+		static const uint8_t zero[4];
+		uint32_t off = (uint32_t)(p - f);
+		uint8_t tr[MRC_ICRC_LEN];
+
+		tx_put(fr, fs, off, (const uint8_t *)(uintptr_t)(w->laddr + t->off), t->len);
+		tx_put(fr, fs, off + t->len, zero, pad);
+		put_icrc(tr, icrc_iov(fr, flen, nfr, OFF_IP6, frame_len - OFF_IP6 - MRC_ICRC_LEN, crc_fast_ok));
+		tx_put(fr, fs, frame_len - MRC_ICRC_LEN, tr, MRC_ICRC_LEN);
+		if (tx_submit_chain(e, addrs, flen, nfr))
+			return -1;
+	}
 	t->tx_ns = now;                          /* the stamp's clock read (one per packet) */
 	t->txseq = q->txseq++;
 	t->nsent++;
@@ -1138,9 +1286,30 @@ static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev
 
 /* ------------------------------------------------------------------ receiver: data */
 
+/* Copy n bytes from offset off of the packet being received (e->rxp) to dst: one memcpy
+ * for a single-frame packet, one per frame it spans for a multi-buffer one. */
+static void rx_place(struct mrc_eng *e, uint8_t *dst, uint32_t off, uint32_t n)
+{
+	const struct rxpkt *p = &e->rxp;
+	uint32_t i = 0, k;
+
+	if (p->n == 1) {
+		memcpy(dst, p->seg[0] + off, n);
+		return;
+	}
+	while (i < p->n && off >= p->len[i])
+		off -= p->len[i++];
+	for (; n && i < p->n; i++, off = 0) {
+		k = p->len[i] - off < n ? p->len[i] - off : n;
+		memcpy(dst, p->seg[i] + off, k);
+		dst += k;
+		n -= k;
+	}
+}
+
 static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end, uint32_t ev, int ce)
 {
-	uint8_t *bth = f + OFF_BTH, *meth = f + OFF_EXT, *reth = meth + MRC_METH_LEN, *pl;
+	uint8_t *bth = f + OFF_BTH, *meth = f + OFF_EXT, *reth = meth + MRC_METH_LEN;
 	uint8_t op = bth[0];
 	int imm = op == MRC_OP_WRITE_LAST_IMM || op == MRC_OP_WRITE_ONLY_IMM;
 	int last = op == MRC_OP_WRITE_LAST || op == MRC_OP_WRITE_ONLY || imm;
@@ -1161,7 +1330,6 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		return;
 	}
 	len = ip_end - MRC_ICRC_LEN - pad - hdr;
-	pl = f + hdr;
 	d = psn_sub(psn, q->rcv_cack);
 	if (d >= PSN_HALF || (d < q->win && rcv_has(q, psn))) {
 		e->st.duplicates++;
@@ -1189,7 +1357,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
 		return;
 	}
-	memcpy((void *)(uintptr_t)va, pl, len);
+	rx_place(e, (uint8_t *)(uintptr_t)va, hdr, len);
 	rcv_set(q, psn, 1);
 	q->rcvd_bytes += len;
 	q->st.rx_pkts++;
@@ -1611,9 +1779,22 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	data = op >= MRC_OP_WRITE_FIRST && op <= MRC_OP_WRITE_ONLY_IMM;
 	tc = (uint8_t)((ip6[0] & 0x0F) << 4 | ip6[1] >> 4);
 	trimmed = data && (tc >> 2) == e->o.dscp_trimmed;
-	if (!trimmed && mrc_eng_icrc(ip6, ip_end - OFF_IP6 - MRC_ICRC_LEN) != get_icrc(f + ip_end - MRC_ICRC_LEN)) {
-		e->st.bad_icrc++;
-		return;
+	if (!trimmed) {
+		uint32_t want;
+		uint8_t tr[MRC_ICRC_LEN];
+
+		if (e->rxp.n == 1) {
+			want = mrc_eng_icrc(ip6, ip_end - OFF_IP6 - MRC_ICRC_LEN);
+			memcpy(tr, f + ip_end - MRC_ICRC_LEN, MRC_ICRC_LEN);
+		} else {       /* multi-buffer: the CRC runs over every frame; the trailer may straddle two */
+			want = icrc_iov(e->rxp.seg, e->rxp.len, e->rxp.n, OFF_IP6,
+					ip_end - OFF_IP6 - MRC_ICRC_LEN, crc_fast_ok);
+			rx_place(e, tr, ip_end - MRC_ICRC_LEN, MRC_ICRC_LEN);
+		}
+		if (want != get_icrc(tr)) {
+			e->st.bad_icrc++;
+			return;
+		}
 	}
 	qpn = get24(bth + 5);
 	q = qp_find(e, qpn);
@@ -1662,30 +1843,81 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	}
 }
 
+/* Read up to RX_BATCH descriptors.  With XDP_USE_SG a packet is a chain of descriptors,
+ * each but the last with XDP_PKT_CONTD: headers come from its first frame, payload from
+ * each (rx_place), the ICRC over all.  The kernel makes a packet's descriptors visible
+ * together, so a chain the batch cut is left in the ring for the next round (cancelled,
+ * not consumed).  A chain longer than RX_MAX_SEGS or whose first frame does not hold the
+ * headers is counted (rx_mb_bad) and dropped.  Every frame read goes back to the fill
+ * ring.  Returns the descriptors seen (RX_BATCH: the ring may hold more). */
 static int rx_batch(struct mrc_eng *e)
 {
-	uint32_t idx, fidx, n, i, got;
+	uint32_t idx, fidx, n, i, j, got, done;
+	struct rxpkt *p = &e->rxp;
 
 	n = xsk_ring_cons__peek(&e->rx, RX_BATCH, &idx);
 	if (!n)
 		return 0;
-	for (i = 0; i < n; i++) {
+	for (i = 0; i < n; i = j + 1) {
 		const struct xdp_desc *d = xsk_ring_cons__rx_desc(&e->rx, idx + i);
-		uint64_t a = xsk_umem__add_offset_to_addr(d->addr);
 
-		rx_frame(e, (uint8_t *)e->area + a, d->len);
+		if (e->rx_skip) {                /* the rest of a chain dropped before */
+			e->rx_skip = !!(d->options & XDP_PKT_CONTD);
+			j = i;
+			continue;
+		}
+		if (!(d->options & XDP_PKT_CONTD)) {      /* one frame: the common case */
+			j = i;
+			p->n = 1;
+			p->seg[0] = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(d->addr);
+			p->len[0] = p->total = d->len;
+			rx_frame(e, p->seg[0], d->len);
+			continue;
+		}
+		for (j = i; j < n; j++) {
+			d = xsk_ring_cons__rx_desc(&e->rx, idx + j);
+			if (!(d->options & XDP_PKT_CONTD))
+				break;
+		}
+		if (j == n) {                    /* the chain goes on past this batch */
+			if (i || n < RX_BATCH)
+				break;               /* the rest next round */
+			e->st.rx_mb_bad++;           /* longer than a batch: never ours; its */
+			e->rx_skip = 1;              /* rest is dropped as it comes */
+			j = n - 1;
+			continue;
+		}
+		p->n = j - i + 1;
+		e->st.rx_mb++;
+		e->st.rx_mb_frames += p->n;
+		p->total = 0;
+		for (got = 0; got < p->n; got++) {
+			d = xsk_ring_cons__rx_desc(&e->rx, idx + i + got);
+			p->seg[got] = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(d->addr);
+			p->len[got] = d->len;
+			p->total += d->len;
+		}
+		if (p->len[0] < RX_HDR_MIN) {
+			e->st.rx_mb_bad++;           /* headers not all in the first frame */
+			continue;
+		}
+		rx_frame(e, p->seg[0], p->total);
 	}
-	/* the same frames go straight back to the fill ring (it has room for all of them) */
-	got = xsk_ring_prod__reserve(&e->fill, n, &fidx);
+	done = i;                                /* descriptors consumed */
+	/* the frames read go straight back to the fill ring (it has room for all of them) */
+	got = xsk_ring_prod__reserve(&e->fill, done, &fidx);
 	for (i = 0; i < got; i++)
 		*xsk_ring_prod__fill_addr(&e->fill, fidx + i) =
 			xsk_umem__extract_addr(xsk_ring_cons__rx_desc(&e->rx, idx + i)->addr);
 	if (got)
 		xsk_ring_prod__submit(&e->fill, got);
-	if (got < n)
-		e->st.fill_empty += n - got;
-	xsk_ring_cons__release(&e->rx, n);
-	return (int)n;
+	if (got < done)
+		e->st.fill_empty += done - got;
+	if (done < n)
+		xsk_ring_cons__cancel(&e->rx, n - done);
+	if (done)
+		xsk_ring_cons__release(&e->rx, done);
+	return done ? (int)n : 0;
 }
 
 /* ------------------------------------------------------------------ sender: transmit */
@@ -1937,7 +2169,8 @@ static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int 
 		work += qp_tx(e, q, now);
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail))
 			*more = 1;
-		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free)
+		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
+		    e->n_tx_free < e->tx_fpp)
 			*blocked = 1;
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
 		    cc_paced(e, q, now) && q->pace_ns < *next)
@@ -2197,6 +2430,27 @@ static void defaults(struct mrc_eng_opts *o)
 
 static int pow2(uint32_t v) { return v && !(v & (v - 1)); }
 
+/* every header of any frame lies in a multi-buffer packet's first frame */
+_Static_assert(HDR_DATA + MRC_TSETH_LEN + MRC_IMMDT_LEN <= RX_HDR_MIN, "data headers past RX_HDR_MIN");
+_Static_assert(OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN <= RX_HDR_MIN, "SACK headers past RX_HDR_MIN");
+_Static_assert(OFF_EXT + MRC_NETH_LEN <= RX_HDR_MIN, "NACK headers past RX_HDR_MIN");
+
+/* The longest data frame of the endpoint's payload, Ethernet header to ICRC (every
+ * optional header; a full packet's payload is a multiple of 4: no pad). */
+static uint32_t data_frame_max(const struct mrc_eng_opts *o, uint32_t payload)
+{
+	return HDR_DATA + MRC_IMMDT_LEN + (o->timestamps == 1 ? MRC_TSETH_LEN : 0) + payload + MRC_ICRC_LEN;
+}
+
+/* The largest payload whose frames fit one RX frame (a multiple of 64, as the Python
+ * side's default payload is). */
+static uint32_t single_frame_payload(const struct mrc_eng_opts *o)
+{
+	uint32_t cap = o->frame_size - MRC_ENG_RX_HEADROOM, over = data_frame_max(o, 0);
+
+	return cap > over + 64 ? (cap - over) / 64 * 64 : 0;
+}
+
 static void eng_free(struct mrc_eng *e)
 {
 	struct qp *q, *n;
@@ -2251,8 +2505,8 @@ static int make_socket(struct mrc_eng *e, uint16_t bind_flags)
 struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t errlen)
 {
 	struct mrc_eng *e = calloc(1, sizeof(*e));
-	uint32_t i, idx;
-	int rc;
+	uint32_t i, idx, fmax;
+	int rc, need_sg, want_sg;
 
 	if (!e) {
 		snprintf(err, errlen, "out of memory");
@@ -2265,13 +2519,28 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	pthread_mutex_init(&e->cq_mu, NULL);
 	e->next_qpn = 0x1000;
 	if (!pow2(e->o.frames) || e->o.frames < 64 || !pow2(e->o.ring) || !pow2(e->o.window) ||
-	    e->o.window < 128 || e->o.window > 16384 || e->o.payload % 4 ||
-	    e->o.payload + HDR_DATA + MRC_IMMDT_LEN + MRC_ICRC_LEN > e->o.frame_size - 256) {
-		snprintf(err, errlen, "engine options: frames, ring and window must be powers of 2 "
-			 "(window 128..16384), payload a multiple of 4 fitting a %u-byte UMEM frame",
-			 e->o.frame_size);
+	    e->o.window < 128 || e->o.window > 16384 || e->o.payload % 4 || !pow2(e->o.frame_size) ||
+	    e->o.frame_size < 2048 || e->o.sg > MRC_ENG_SG_ON) {
+		snprintf(err, errlen, "engine options: frames, ring, window and frame_size must be powers "
+			 "of 2 (window 128..16384, frame_size at least 2048), payload a multiple of 4, "
+			 "sg 0..2");
 		goto fail;
 	}
+	/* one frame or several (multi-buffer) per packet: the payload decides */
+	fmax = data_frame_max(&e->o, e->o.payload);
+	if (fmax - OFF_UDP > 0xFFFF || (fmax + e->o.frame_size - 1) / e->o.frame_size > MRC_ENG_SG_MAX_FRAMES) {
+		snprintf(err, errlen, "payload %u: too large (an IPv6 packet is at most 65535 bytes, and "
+			 "a packet at most %u UMEM frames of %u bytes)", e->o.payload,
+			 MRC_ENG_SG_MAX_FRAMES, e->o.frame_size);
+		goto fail;
+	}
+	need_sg = fmax > e->o.frame_size - MRC_ENG_RX_HEADROOM;
+	if (need_sg && e->o.sg == MRC_ENG_SG_OFF) {
+		snprintf(err, errlen, "payload %u does not fit one %u-byte UMEM frame (at most %u) and "
+			 "multi-buffer (sg) is off", e->o.payload, e->o.frame_size, single_frame_payload(&e->o));
+		goto fail;
+	}
+	want_sg = need_sg || e->o.sg == MRC_ENG_SG_ON;
 	if (e->o.spin_us != MRC_ENG_SPIN_OFF && e->o.spin_us > MRC_ENG_SPIN_MAX_US) {
 		snprintf(err, errlen, "engine options: spin_us %u: at most %u microseconds (or off)",
 			 e->o.spin_us, MRC_ENG_SPIN_MAX_US);
@@ -2297,17 +2566,48 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	/* The kernel frees a closed socket's hold on the queue from a workqueue, so a queue
 	 * just given up may still be busy for a moment: retry EBUSY for up to a second. */
 	for (i = 0; i < 50; i++) {
+		uint16_t sgf = want_sg ? XDP_USE_SG : 0;
+
 		rc = -EOPNOTSUPP;
 		if (e->o.zero_copy != 1)
-			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY);
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY | sgf);
 		if (rc == 0)
 			e->st.zero_copy = 1;
 		else if (e->o.zero_copy != 2)
-			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY);
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY | sgf);
+		if (want_sg && (rc == -EINVAL || rc == -EOPNOTSUPP)) {
+			/* the kernel refuses XDP_USE_SG (before 6.6 the flag is unknown: EINVAL) */
+			e->st.sg_refused = (uint64_t)-rc;
+			if (e->o.sg == MRC_ENG_SG_ON) {
+				snprintf(err, errlen, "AF_XDP multi-buffer (XDP_USE_SG) refused by the kernel "
+					 "on %s: %s (Linux 6.6+ has it); payload %u needs %s",
+					 e->o.ifname, strerror(-rc), e->o.payload,
+					 need_sg ? "it (or a payload of one frame)" : "it only with sg=2");
+				goto fail;
+			}
+			/* auto: the single-buffer path, the largest payload one frame holds */
+			uint32_t fs = e->o.frame_size;
+
+			want_sg = 0;
+			e->o = *opts;
+			e->o.frame_size = fs;
+			e->o.payload = single_frame_payload(&e->o);
+			e->o.sg = MRC_ENG_SG_AUTO;
+			defaults(&e->o);
+			i--;
+			continue;
+		}
 		if (rc != -EBUSY)
 			break;
 		usleep(20000);
 	}
+	e->sg = want_sg;
+	e->st.sg = (uint64_t)want_sg;
+	fmax = data_frame_max(&e->o, e->o.payload);
+	e->rx_cap = e->o.frame_size - MRC_ENG_RX_HEADROOM;
+	e->tx_fpp = want_sg ? (fmax + e->o.frame_size - 1) / e->o.frame_size : 1;
+	e->st.tx_frames_pkt = e->tx_fpp;
+	e->st.rx_frames_pkt = want_sg ? (fmax + e->rx_cap - 1) / e->rx_cap : 1;
 	if (rc) {
 		if (rc == -EAFNOSUPPORT || rc == -ENOPROTOOPT)
 			snprintf(err, errlen, "AF_XDP sockets are not available in this kernel "

@@ -104,7 +104,22 @@ struct mrc_eng_opts {
 	                             * in engine.c).  0: the default (MRC_ENG_SPIN_DEFAULT_US);
 	                             * MRC_ENG_SPIN_OFF: never spin (sleep as soon as idle);
 	                             * at most MRC_ENG_SPIN_MAX_US */
+	uint32_t sg;                /* AF_XDP multi-buffer (bind flag XDP_USE_SG, kernel 6.6+; copy
+	                             * mode too): a packet spans several UMEM frames, chained with
+	                             * XDP_PKT_CONTD, so the payload may exceed one frame (up to
+	                             * MRC_ENG_SG_MAX_FRAMES frames).  MRC_ENG_SG_AUTO (0): bound
+	                             * with it only when the payload does not fit one frame, and if
+	                             * the kernel refuses it the payload falls back to the largest
+	                             * single-frame one; MRC_ENG_SG_OFF: never (the payload must fit
+	                             * one frame); MRC_ENG_SG_ON: always, or the open fails */
 };
+
+#define MRC_ENG_SG_AUTO         0
+#define MRC_ENG_SG_OFF          1
+#define MRC_ENG_SG_ON           2
+#define MRC_ENG_SG_MAX_FRAMES   18  /* frames per packet: copy-mode TX builds one skb of at most
+                                     * MAX_SKB_FRAGS (17) + 1 buffers */
+#define MRC_ENG_RX_HEADROOM     256 /* XDP_PACKET_HEADROOM: an RX frame holds frame_size - this */
 
 #define MRC_ENG_LOSS_WINDOW_US  200 /* floor of the time-based loss rule's window: the
                                      * datapath's loss_window_us default (config.md) */
@@ -160,6 +175,19 @@ struct mrc_eng_stats {
 	uint64_t xsk_rx_dropped;    /* dropped by the kernel (e.g. no room in the UMEM) */
 	uint64_t xsk_rx_ring_full;  /* RX ring full: the progress thread too slow to read it */
 	uint64_t xsk_fill_empty;    /* the fill ring had no frame for an arriving packet */
+	/* multi-buffer (opts.sg) */
+	uint64_t sg;                /* 1: bound with XDP_USE_SG (multi-buffer path); 0: single-buffer */
+	uint64_t sg_refused;        /* errno of the kernel's refusal of XDP_USE_SG (0: not refused or
+	                             * not tried); with sg 0 the payload fell back to one frame */
+	uint64_t tx_frames_pkt;     /* UMEM frames a full data packet takes on TX (1: single-buffer) */
+	uint64_t rx_frames_pkt;     /* ... and on RX (frame_size - MRC_ENG_RX_HEADROOM per frame) */
+	uint64_t rx_mb;             /* multi-buffer packets received (chains of XDP_PKT_CONTD frames) */
+	uint64_t rx_mb_frames;      /* frames in them */
+	uint64_t rx_mb_bad;         /* chains dropped: more than MRC_ENG_SG_MAX_FRAMES frames, or the
+	                             * headers not all in the first frame */
+	uint64_t tx_mb;             /* multi-buffer packets sent */
+	uint64_t tx_mb_frames;      /* frames in them */
+	uint64_t xsk_tx_invalid;    /* TX descriptors the kernel refused (XDP_STATISTICS) */
 };
 
 struct mrc_qp_stats {
