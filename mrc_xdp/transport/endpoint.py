@@ -569,6 +569,18 @@ class Endpoint:
         d["payload"] = self.payload
         return d
 
+    def _rx_inject(self, descs) -> int:
+        """Tests: run (bytes, contd) descriptors through the engine's receive path as one RX
+        batch (contd: XDP_PKT_CONTD, the packet goes on in the next one).  Returns the
+        descriptors consumed."""
+        ffi, lib = _engine()
+        self._alive()
+        bufs = [ffi.from_buffer(bytearray(b)) for b, _ in descs]
+        ptrs = ffi.new("uint8_t *[]", [ffi.cast("uint8_t *", b) for b in bufs])
+        lens = ffi.new("uint32_t[]", [len(b) for b, _ in descs])
+        opts = ffi.new("uint32_t[]", [lib.MRC_ENG_PKT_CONTD if c else 0 for _, c in descs])
+        return _check(lib.mrc_eng_rx_inject(self._e, ptrs, lens, opts, len(descs)), "rx_inject")
+
     @property
     def path(self) -> str:
         """Which receive/send path the socket took: "multi-buffer" (bound with XDP_USE_SG,

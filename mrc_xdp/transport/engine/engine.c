@@ -1843,44 +1843,42 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	}
 }
 
-/* Read up to RX_BATCH descriptors.  With XDP_USE_SG a packet is a chain of descriptors,
- * each but the last with XDP_PKT_CONTD: headers come from its first frame, payload from
- * each (rx_place), the ICRC over all.  The kernel makes a packet's descriptors visible
- * together, so a chain the batch cut is left in the ring for the next round (cancelled,
- * not consumed).  A chain longer than RX_MAX_SEGS or whose first frame does not hold the
- * headers is counted (rx_mb_bad) and dropped.  Every frame read goes back to the fill
- * ring.  Returns the descriptors seen (RX_BATCH: the ring may hold more). */
-static int rx_batch(struct mrc_eng *e)
+/* One RX descriptor as rx_descs reads it. */
+struct rxd {
+	uint8_t *p;
+	uint32_t len, opt;
+};
+
+/* Read n descriptors.  With XDP_USE_SG a packet is a chain of descriptors, each but the
+ * last with XDP_PKT_CONTD: headers come from its first frame, payload from each
+ * (rx_place), the ICRC over all.  The kernel makes a packet's descriptors visible
+ * together, so a chain that the batch cut (n == max: the ring may hold more) is left for
+ * the next round; a chain longer than a whole batch, or whose first frame does not hold
+ * every header, is counted (rx_mb_bad) and dropped (a chain too long to hold: the rest of
+ * it too, as it comes).  Returns the descriptors consumed. */
+static uint32_t rx_descs(struct mrc_eng *e, const struct rxd *d, uint32_t n, uint32_t max)
 {
-	uint32_t idx, fidx, n, i, j, got, done;
 	struct rxpkt *p = &e->rxp;
+	uint32_t i, j, k;
 
-	n = xsk_ring_cons__peek(&e->rx, RX_BATCH, &idx);
-	if (!n)
-		return 0;
 	for (i = 0; i < n; i = j + 1) {
-		const struct xdp_desc *d = xsk_ring_cons__rx_desc(&e->rx, idx + i);
-
 		if (e->rx_skip) {                /* the rest of a chain dropped before */
-			e->rx_skip = !!(d->options & XDP_PKT_CONTD);
+			e->rx_skip = !!(d[i].opt & XDP_PKT_CONTD);
 			j = i;
 			continue;
 		}
-		if (!(d->options & XDP_PKT_CONTD)) {      /* one frame: the common case */
+		if (!(d[i].opt & XDP_PKT_CONTD)) {        /* one frame: the common case */
 			j = i;
 			p->n = 1;
-			p->seg[0] = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(d->addr);
-			p->len[0] = p->total = d->len;
-			rx_frame(e, p->seg[0], d->len);
+			p->seg[0] = d[i].p;
+			p->len[0] = p->total = d[i].len;
+			rx_frame(e, d[i].p, d[i].len);
 			continue;
 		}
-		for (j = i; j < n; j++) {
-			d = xsk_ring_cons__rx_desc(&e->rx, idx + j);
-			if (!(d->options & XDP_PKT_CONTD))
-				break;
-		}
-		if (j == n) {                    /* the chain goes on past this batch */
-			if (i || n < RX_BATCH)
+		for (j = i; j < n && (d[j].opt & XDP_PKT_CONTD); j++)
+			;
+		if (j == n) {                    /* the chain goes on past these descriptors */
+			if (i || n < max)
 				break;               /* the rest next round */
 			e->st.rx_mb_bad++;           /* longer than a batch: never ours; its */
 			e->rx_skip = 1;              /* rest is dropped as it comes */
@@ -1888,22 +1886,42 @@ static int rx_batch(struct mrc_eng *e)
 			continue;
 		}
 		p->n = j - i + 1;
-		e->st.rx_mb++;
-		e->st.rx_mb_frames += p->n;
 		p->total = 0;
-		for (got = 0; got < p->n; got++) {
-			d = xsk_ring_cons__rx_desc(&e->rx, idx + i + got);
-			p->seg[got] = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(d->addr);
-			p->len[got] = d->len;
-			p->total += d->len;
+		for (k = 0; k < p->n; k++) {
+			p->seg[k] = d[i + k].p;
+			p->len[k] = d[i + k].len;
+			p->total += d[i + k].len;
 		}
 		if (p->len[0] < RX_HDR_MIN) {
 			e->st.rx_mb_bad++;           /* headers not all in the first frame */
 			continue;
 		}
+		e->st.rx_mb++;
+		e->st.rx_mb_frames += p->n;
 		rx_frame(e, p->seg[0], p->total);
 	}
-	done = i;                                /* descriptors consumed */
+	return i;
+}
+
+/* Read up to RX_BATCH descriptors from the RX ring (rx_descs); every frame read goes
+ * back to the fill ring, a cut chain's stay in the ring.  Returns the descriptors seen
+ * (RX_BATCH: the ring may hold more), 0 if none could be consumed. */
+static int rx_batch(struct mrc_eng *e)
+{
+	struct rxd d[RX_BATCH];
+	uint32_t idx, fidx, n, i, got, done;
+
+	n = xsk_ring_cons__peek(&e->rx, RX_BATCH, &idx);
+	if (!n)
+		return 0;
+	for (i = 0; i < n; i++) {
+		const struct xdp_desc *x = xsk_ring_cons__rx_desc(&e->rx, idx + i);
+
+		d[i].p = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(x->addr);
+		d[i].len = x->len;
+		d[i].opt = x->options;
+	}
+	done = rx_descs(e, d, n, RX_BATCH);
 	/* the frames read go straight back to the fill ring (it has room for all of them) */
 	got = xsk_ring_prod__reserve(&e->fill, done, &fidx);
 	for (i = 0; i < got; i++)
@@ -1918,6 +1936,28 @@ static int rx_batch(struct mrc_eng *e)
 	if (done)
 		xsk_ring_cons__release(&e->rx, done);
 	return done ? (int)n : 0;
+}
+
+/* Tests: run frames through the receive path as if they were n RX descriptors (bufs[i],
+ * lens[i] bytes, options opts[i]: XDP_PKT_CONTD chains), under the engine's lock, as one
+ * batch of n.  Returns the descriptors consumed (a chain cut at the end is not). */
+int mrc_eng_rx_inject(struct mrc_eng *e, uint8_t *const *bufs, const uint32_t *lens,
+		      const uint32_t *opts, uint32_t n)
+{
+	struct rxd d[RX_BATCH];
+	uint32_t i, done;
+
+	if (n > RX_BATCH)
+		return -EINVAL;
+	for (i = 0; i < n; i++) {
+		d[i].p = bufs[i];
+		d[i].len = lens[i];
+		d[i].opt = opts[i];
+	}
+	pthread_mutex_lock(&e->mu);
+	done = rx_descs(e, d, n, RX_BATCH);
+	pthread_mutex_unlock(&e->mu);
+	return (int)done;
 }
 
 /* ------------------------------------------------------------------ sender: transmit */

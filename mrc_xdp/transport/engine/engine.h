@@ -286,4 +286,12 @@ int  mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t
 uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len);
 uint32_t mrc_eng_icrc2(const uint8_t *ip6, uint32_t len, int fast);
 
+/* Tests: run frames through the receive path as n RX descriptors (bufs[i], lens[i] bytes,
+ * options opts[i]; MRC_ENG_PKT_CONTD chains a packet's frames), as one RX batch of the
+ * progress thread would.  Returns the descriptors consumed (a chain cut at the end is
+ * left), or -EINVAL for n above 64. */
+#define MRC_ENG_PKT_CONTD 1         /* XDP_PKT_CONTD */
+int  mrc_eng_rx_inject(struct mrc_eng *e, uint8_t *const *bufs, const uint32_t *lens,
+		       const uint32_t *opts, uint32_t n);
+
 #endif /* MRC_ENGINE_H */
