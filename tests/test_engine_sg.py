@@ -341,3 +341,57 @@ def test_large_payloads(tmp_path):
             transport.Endpoint(p.ia, mtu=40000)
     finally:
         p.down()
+
+
+@pytest.mark.parametrize("payload", [4096, 1408])
+def test_send_without_copy_from_umem_mr(env, payload):
+    """Issue 20 item 3: a memory region inside the UMEM (Endpoint(umem_mr=...),
+    ep.alloc_mr): every data packet goes as a header frame, descriptors pointing at the
+    payload in place, and a trailer frame (tx_inplace counts them), resends too (1% loss);
+    1 B .. 16 MiB at any offset intact; an ordinary buffer on the same endpoint still goes
+    by copy; the region's space comes back at dereg."""
+    env.close()
+    size = 16 << 20
+    A = transport.Endpoint(env.pair.ia, mtu=payload, umem_mr=size + (1 << 20))
+    B = transport.Endpoint(env.pair.ib, mtu=payload)
+    try:
+        assert A.stats()["sg"] == 1
+        data = os.urandom(size)
+        ma = A.alloc_mr(size + 4096)
+        ma.buf[:size] = data
+        mb = B.reg_mr(env.dst)
+        qa, qb = ep_.connect(A, B, 0)
+        for i, (n, off) in enumerate(((1, 0), (payload - 1, 5), (payload + 1, 4093), (300001, 3), (size, 0))):
+            env.dst[:n] = bytes(n)
+            qa.post_write(i, ma, off, n, mb.addr, mb.rkey, imm=i)
+            ca, cb = A.cq.wait_blocking(timeout=30), B.cq.wait_blocking(timeout=10)
+            assert [(c.wr_id, c.ok) for c in ca] == [(i, True)] and [c.imm for c in cb] == [i]
+            assert bytes(env.dst[:n]) == data[off:off + n], (n, off)
+        st = qa.stats()
+        assert A.stats()["tx_inplace"] == st["tx_pkts"] > 0 and A.stats()["xsk_tx_invalid"] == 0
+        # under loss: resends go in place too
+        env.faults({"loss_ppm": 10000}, {"loss_ppm": 10000})
+        try:
+            env.dst[:size] = bytes(size)
+            qa.post_write(9, ma, 0, size, mb.addr, mb.rkey, imm=9)
+            ca, cb = A.cq.wait_blocking(timeout=60), B.cq.wait_blocking(timeout=10)
+        finally:
+            env.faults({}, {})
+        assert [c.ok for c in ca] == [True] and bytes(env.dst[:size]) == data
+        st = qa.stats()
+        assert st["rtx_pkts"] > 0 and A.stats()["tx_inplace"] == st["tx_pkts"]
+        # an ordinary buffer goes by copy
+        before = A.stats()["tx_inplace"]
+        mo = A.reg_mr(env.src)
+        qa.post_write(10, mo, 0, 1 << 20, mb.addr, mb.rkey)
+        assert [c.ok for c in A.cq.wait_blocking(timeout=30)] == [True]
+        assert bytes(env.dst[:1 << 20]) == bytes(env.src[:1 << 20]) and A.stats()["tx_inplace"] == before
+        qa.destroy()
+        qb.destroy()
+        with pytest.raises(transport.TransportError, match="no room"):
+            A.alloc_mr(2 << 20)
+        ma.dereg()
+        A.alloc_mr(size).dereg()        # the space came back
+    finally:
+        A.close()
+        B.close()

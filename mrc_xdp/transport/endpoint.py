@@ -170,8 +170,63 @@ def local_addr(instance: str) -> str:
 
 # -------------------------------------------------------------------- memory region
 
+class _UmemSpace:
+    """The memory-region space inside an endpoint's UMEM (engine.h umem_mr): first-fit
+    allocation in 4 KiB units; unmapped once nothing refers to it (the engine leaves it
+    mapped at close)."""
+    UNIT = 4096
+
+    def __init__(self, addr: int, length: int):
+        self.addr, self.length = addr, length
+        self.free_list = [(0, length)]
+
+    def alloc(self, size: int) -> int:
+        need = -(-max(1, size) // self.UNIT) * self.UNIT
+        for i, (off, n) in enumerate(self.free_list):
+            if n >= need:
+                self.free_list[i] = (off + need, n - need)
+                return off
+        raise TransportError("alloc_mr(%d): the UMEM's memory-region space (%d bytes) has no room: "
+                             "open the Endpoint with a larger umem_mr" % (size, self.length))
+
+    def free(self, off: int, size: int) -> None:
+        need = -(-max(1, size) // self.UNIT) * self.UNIT
+        merged = sorted(self.free_list + [(off, need)])
+        self.free_list = []
+        for o, n in merged:
+            if n and self.free_list and self.free_list[-1][0] + self.free_list[-1][1] == o:
+                self.free_list[-1] = (self.free_list[-1][0], self.free_list[-1][1] + n)
+            elif n:
+                self.free_list.append((o, n))
+
+    def __del__(self):
+        if _munmap is not None:
+            _munmap(self.addr, self.length)
+
+
+def _libc_munmap():
+    import ctypes
+    try:
+        f = ctypes.CDLL(None, use_errno=True).munmap
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return f
+
+
+_munmap = _libc_munmap()
+
+
 class MR:
     """A registered memory region: .addr (VA), .length, .rkey (also the local key)."""
+
+    _umem = None            # alloc_mr: the UMEM space it lives in (kept mapped while this lives)
+    _umem_off = 0
+
+    @property
+    def buf(self) -> memoryview:
+        """The region's memory (regions from Endpoint.alloc_mr)."""
+        return memoryview(self._buf)
 
     def __init__(self, ep: "Endpoint", buf, access: int):
         ffi, lib = _engine()
@@ -210,6 +265,8 @@ class MR:
     def dereg(self) -> None:
         if self.registered and self._ep._e is not None:
             _engine()[1].mrc_eng_dereg_mr(self._ep._e, self.rkey)
+            if self._umem is not None:
+                self._umem.free(self._umem_off, self.length)
         self.registered = False
 
     def __enter__(self):
@@ -424,7 +481,8 @@ class CQ:
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
-              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "sg")
+              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "sg",
+              "umem_mr")
 SPIN_DEFAULT_US = 0         # engine.h MRC_ENG_SPIN_DEFAULT_US (off)
 SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
@@ -537,6 +595,11 @@ class Endpoint:
             raise TransportError(ffi.string(err).decode(errors="replace"))
         lib.mrc_eng_get_opts(self._e, o)
         self.payload = int(o.payload)      # the single-buffer fallback may have lowered it
+        self._umem = None
+        if int(o.umem_mr):
+            a, n = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+            lib.mrc_eng_umem_mr(self._e, a, n)
+            self._umem = _UmemSpace(int(a[0]), int(n[0]))
         self._qps: dict[int, QP] = {}
         self._mrs: list[MR] = []
         self.cq = CQ(self)
@@ -548,6 +611,27 @@ class Endpoint:
         place (keep the buffer alive and unresized while registered)."""
         self._alive()
         mr = MR(self, buf, access)
+        self._mrs.append(mr)
+        return mr
+
+    def alloc_mr(self, size: int, access: int = ACCESS_LOCAL | ACCESS_REMOTE_WRITE) -> "MR":
+        """A memory region inside the UMEM (Endpoint(umem_mr=BYTES) sets its space aside):
+        Writes from it go without the engine's copy (the packet's payload descriptors point
+        at it).  mr.buf is its memory (a writable memoryview); it stays valid while the MR
+        or the endpoint's space is referenced.  Its space returns at dereg."""
+        ffi, _ = _engine()
+        self._alive()
+        if self._umem is None:
+            raise TransportError("alloc_mr: no memory-region space in the UMEM: open the "
+                                 "Endpoint with umem_mr=BYTES")
+        off = self._umem.alloc(size)
+        buf = ffi.buffer(ffi.cast("uint8_t *", self._umem.addr + off), size)
+        try:
+            mr = MR(self, buf, access)
+        except TransportError:
+            self._umem.free(off, size)
+            raise
+        mr._umem, mr._umem_off = self._umem, off
         self._mrs.append(mr)
         return mr
 

@@ -422,6 +422,8 @@ struct mrc_eng {
 	int sg;                      /* bound with XDP_USE_SG */
 	uint32_t rx_cap;             /* bytes one RX frame holds (frame_size - XDP_PACKET_HEADROOM) */
 	uint32_t tx_fpp;             /* TX frames a full data packet takes */
+	uint64_t mr_off, mr_len;     /* the memory-region space: UMEM offsets [mr_off, +mr_len) */
+	int mr_given;                /* ... handed to the caller (mrc_eng_umem_mr): not unmapped here */
 	struct rxpkt rxp;            /* the packet being received */
 	int rx_skip;                 /* dropping the rest of a chain too long to hold */
 	/* QPs, MRs */
@@ -819,6 +821,13 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 
 void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out) { *out = e->o; }
 
+void mrc_eng_umem_mr(struct mrc_eng *e, uint64_t *addr, uint64_t *len)
+{
+	*addr = e->mr_len ? (uint64_t)(uintptr_t)e->area + e->mr_off : 0;
+	*len = e->mr_len;
+	e->mr_given = e->mr_len != 0;
+}
+
 static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now);
 static void tx_kick(struct mrc_eng *e);
 static void tx_complete(struct mrc_eng *e);
@@ -961,7 +970,8 @@ static int tx_submit_chain(struct mrc_eng *e, const uint64_t *addr, const uint32
 
 	if (xsk_ring_prod__reserve(&e->tx, n, &idx) != n) {
 		for (i = 0; i < n; i++)
-			e->tx_free[e->n_tx_free++] = addr[i];
+			if (!e->mr_len || addr[i] < e->mr_off)
+				e->tx_free[e->n_tx_free++] = addr[i];
 		e->st.tx_ring_full++;
 		return -1;
 	}
@@ -1022,8 +1032,12 @@ static void tx_complete(struct mrc_eng *e)
 	uint32_t idx, n, i;
 
 	n = xsk_ring_cons__peek(&e->comp, e->n_tx_frames, &idx);
-	for (i = 0; i < n; i++)
-		e->tx_free[e->n_tx_free++] = *xsk_ring_cons__comp_addr(&e->comp, idx + i);
+	for (i = 0; i < n; i++) {
+		uint64_t a = *xsk_ring_cons__comp_addr(&e->comp, idx + i);
+
+		if (a < e->mr_off || !e->mr_len)     /* (not a payload in a memory region) */
+			e->tx_free[e->n_tx_free++] = a;
+	}
 	if (n)
 		xsk_ring_cons__release(&e->comp, n);
 }
@@ -1068,52 +1082,14 @@ static void finish_frame(uint8_t *f, uint32_t frame_len)
 	put_icrc(f + frame_len - MRC_ICRC_LEN, mrc_eng_icrc(ip6, ip_len - MRC_ICRC_LEN));
 }
 
-/* Send (or resend) the data packet of PSN slot t. */
-static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
+/* The headers of a data packet into frame f (Ethernet to ImmDt); returns where the
+ * payload goes. */
+static uint8_t *data_hdrs(struct mrc_eng *e, struct qp *q, struct txp *t, uint8_t *f, uint32_t ip_plen,
+			  uint8_t opcode, uint32_t pad, int last, int imm, int ts_on, uint64_t now, int rtx)
 {
 	struct wr *w = t->wr;
-	uint32_t pad = (4 - (t->len & 3)) & 3, ext, frame_len, ip_plen;
-	int first = t->off == 0, last = t->last, imm = w->with_imm && last;
-	uint8_t opcode, *f, *p;
-	uint64_t addr;
+	uint8_t *p;
 
-	if (w->npkts == 1)
-		opcode = w->with_imm ? MRC_OP_WRITE_ONLY_IMM : MRC_OP_WRITE_ONLY;
-	else if (first)
-		opcode = MRC_OP_WRITE_FIRST;
-	else if (last)
-		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
-	else
-		opcode = MRC_OP_WRITE_MIDDLE;
-	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
-	uint64_t now = now_ns();
-
-	uint64_t addrs[MRC_ENG_SG_MAX_FRAMES];
-	uint8_t *fr[MRC_ENG_SG_MAX_FRAMES];
-	uint32_t flen[MRC_ENG_SG_MAX_FRAMES], nfr, fs = e->o.frame_size, i;
-
-	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
-	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
-	ip_plen = frame_len - OFF_UDP;
-	/* a packet longer than a frame (multi-buffer, XDP_USE_SG): frames of fs bytes, the
-	 * headers at the start of the first, the payload running on through the others */
-	nfr = (frame_len + fs - 1) / fs;
-	if (nfr > MRC_ENG_SG_MAX_FRAMES || (nfr > 1 && !e->sg))
-		return -1;                       /* mrc_eng_open's checks make this impossible */
-	if (nfr == 1) {
-		f = tx_frame(e, &addr);
-		if (!f)
-			return -1;
-	} else {
-		if (tx_frames(e, nfr, addrs))
-			return -1;
-		for (i = 0; i < nfr; i++) {
-			fr[i] = (uint8_t *)e->area + addrs[i];
-			flen[i] = frame_len - i * fs < fs ? frame_len - i * fs : fs;
-		}
-		addr = addrs[0];
-		f = fr[0];
-	}
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
 		   (uint8_t)(pad << 4), (last || t->rto ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
 		   (ts_on ? MRC_BTH_B8_TS : 0), t->psn);
@@ -1137,6 +1113,96 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		put32(p, w->imm);
 		p += MRC_IMMDT_LEN;
 	}
+	return p;
+}
+
+/* Send (or resend) the data packet of PSN slot t.  Three layouts: one frame (the payload
+ * copied after the headers); a multi-buffer packet (XDP_USE_SG) of frames of fs bytes,
+ * the headers at the start of the first, the payload copied on through the others; and,
+ * for a source in the UMEM's memory-region space (opts.umem_mr), no copy: a header frame,
+ * descriptors pointing at the payload where it lies (split at frame boundaries, as the
+ * kernel wants a descriptor inside one chunk), and a trailer frame with the pad and the
+ * ICRC, computed over all of them. */
+static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
+{
+	struct wr *w = t->wr;
+	uint32_t pad = (4 - (t->len & 3)) & 3, ext, frame_len, ip_plen;
+	int first = t->off == 0, last = t->last, imm = w->with_imm && last;
+	uint8_t opcode, *f, *p;
+	uint64_t addr;
+	uint64_t addrs[MRC_ENG_SG_MAX_FRAMES];
+	uint8_t *fr[MRC_ENG_SG_MAX_FRAMES];
+	uint32_t flen[MRC_ENG_SG_MAX_FRAMES], nfr, fs = e->o.frame_size, i;
+
+	if (w->npkts == 1)
+		opcode = w->with_imm ? MRC_OP_WRITE_ONLY_IMM : MRC_OP_WRITE_ONLY;
+	else if (first)
+		opcode = MRC_OP_WRITE_FIRST;
+	else if (last)
+		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
+	else
+		opcode = MRC_OP_WRITE_MIDDLE;
+	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
+	uint64_t now = now_ns();
+
+	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
+	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
+	ip_plen = frame_len - OFF_UDP;
+	if (e->mr_len && e->sg && t->len) {
+		uint64_t src = w->laddr + t->off, base = (uint64_t)(uintptr_t)e->area;
+
+		if (src >= base + e->mr_off && src + t->len <= base + e->mr_off + e->mr_len &&
+		    (src - base) % fs + t->len <= (uint64_t)(MRC_ENG_SG_MAX_FRAMES - 2) * fs) {
+			uint64_t hf[2], a = src - base;
+			uint32_t left = t->len, k;
+			uint8_t *tr;
+
+			if (tx_frames(e, 2, hf))
+				return -1;
+			f = (uint8_t *)e->area + hf[0];
+			p = data_hdrs(e, q, t, f, ip_plen, opcode, pad, last, imm, ts_on, now, rtx);
+			addrs[0] = hf[0];
+			fr[0] = f;
+			flen[0] = (uint32_t)(p - f);
+			nfr = 1;
+			for (; left; nfr++, a += k, left -= k) {
+				k = fs - (uint32_t)(a % fs) < left ? fs - (uint32_t)(a % fs) : left;
+				addrs[nfr] = a;
+				fr[nfr] = (uint8_t *)e->area + a;
+				flen[nfr] = k;
+			}
+			tr = (uint8_t *)e->area + hf[1];
+			memset(tr, 0, pad);
+			addrs[nfr] = hf[1];
+			fr[nfr] = tr;
+			flen[nfr] = pad + MRC_ICRC_LEN;
+			nfr++;
+			put_icrc(tr + pad, icrc_iov(fr, flen, nfr, OFF_IP6, frame_len - OFF_IP6 - MRC_ICRC_LEN,
+						    crc_fast_ok));
+			if (tx_submit_chain(e, addrs, flen, nfr))
+				return -1;
+			e->st.tx_inplace++;
+			goto sent;
+		}
+	}
+	nfr = (frame_len + fs - 1) / fs;
+	if (nfr > MRC_ENG_SG_MAX_FRAMES || (nfr > 1 && !e->sg))
+		return -1;                       /* mrc_eng_open's checks make this impossible */
+	if (nfr == 1) {
+		f = tx_frame(e, &addr);
+		if (!f)
+			return -1;
+	} else {
+		if (tx_frames(e, nfr, addrs))
+			return -1;
+		for (i = 0; i < nfr; i++) {
+			fr[i] = (uint8_t *)e->area + addrs[i];
+			flen[i] = frame_len - i * fs < fs ? frame_len - i * fs : fs;
+		}
+		addr = addrs[0];
+		f = (uint8_t *)e->area + addrs[0];
+	}
+	p = data_hdrs(e, q, t, f, ip_plen, opcode, pad, last, imm, ts_on, now, rtx);
 	if (nfr == 1) {
 		memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
 		memset(p + t->len, 0, pad);
@@ -1155,6 +1221,7 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		if (tx_submit_chain(e, addrs, flen, nfr))
 			return -1;
 	}
+sent:
 	t->tx_ns = now;                          /* the stamp's clock read (one per packet) */
 	t->txseq = q->txseq++;
 	t->nsent++;
@@ -2499,8 +2566,8 @@ static void eng_free(struct mrc_eng *e)
 		xsk_socket__delete(e->xsk);
 	if (e->umem)
 		xsk_umem__delete(e->umem);
-	if (e->area)
-		munmap(e->area, e->area_len);
+	if (e->area)       /* the memory-region space stays: its owner unmaps it (mrc_eng_umem_mr) */
+		munmap(e->area, e->mr_given ? e->mr_off : e->area_len);
 	if (e->wake_fd >= 0)
 		close(e->wake_fd);
 	if (e->cq_fd >= 0)
@@ -2580,7 +2647,12 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 			 "multi-buffer (sg) is off", e->o.payload, e->o.frame_size, single_frame_payload(&e->o));
 		goto fail;
 	}
-	want_sg = need_sg || e->o.sg == MRC_ENG_SG_ON;
+	want_sg = need_sg || e->o.sg == MRC_ENG_SG_ON || e->o.umem_mr;
+	if (e->o.umem_mr && e->o.sg == MRC_ENG_SG_OFF) {
+		snprintf(err, errlen, "umem_mr (memory regions sent without a copy) needs multi-buffer "
+			 "(sg), which is off");
+		goto fail;
+	}
 	if (e->o.spin_us != MRC_ENG_SPIN_OFF && e->o.spin_us > MRC_ENG_SPIN_MAX_US) {
 		snprintf(err, errlen, "engine options: spin_us %u: at most %u microseconds (or off)",
 			 e->o.spin_us, MRC_ENG_SPIN_MAX_US);
@@ -2596,7 +2668,9 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	}
 	e->n_rx_frames = e->o.frames / 2;
 	e->n_tx_frames = e->o.frames / 2;
-	e->area_len = (uint64_t)e->o.frames * e->o.frame_size;
+	e->mr_off = (uint64_t)e->o.frames * e->o.frame_size;
+	e->mr_len = ((uint64_t)e->o.umem_mr + e->o.frame_size - 1) / e->o.frame_size * e->o.frame_size;
+	e->area_len = e->mr_off + e->mr_len;
 	e->area = mmap(NULL, e->area_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (e->area == MAP_FAILED) {
 		e->area = NULL;

@@ -112,6 +112,12 @@ struct mrc_eng_opts {
 	                             * the kernel refuses it the payload falls back to the largest
 	                             * single-frame one; MRC_ENG_SG_OFF: never (the payload must fit
 	                             * one frame); MRC_ENG_SG_ON: always, or the open fails */
+	uint32_t umem_mr;           /* bytes of memory-region space inside the UMEM, after the
+	                             * frames (rounded up to frame_size; 0: none).  A Write whose
+	                             * source lies there goes without the engine's copy: a header
+	                             * frame, descriptors pointing at the payload in place, a
+	                             * trailer frame (needs multi-buffer: sg is then on).  The
+	                             * space stays mapped after close (mrc_eng_umem_mr) */
 };
 
 #define MRC_ENG_SG_AUTO         0
@@ -188,6 +194,7 @@ struct mrc_eng_stats {
 	uint64_t tx_mb;             /* multi-buffer packets sent */
 	uint64_t tx_mb_frames;      /* frames in them */
 	uint64_t xsk_tx_invalid;    /* TX descriptors the kernel refused (XDP_STATISTICS) */
+	uint64_t tx_inplace;        /* data packets sent from UMEM memory regions without a copy */
 };
 
 struct mrc_qp_stats {
@@ -291,6 +298,11 @@ uint32_t mrc_eng_icrc2(const uint8_t *ip6, uint32_t len, int fast);
  * progress thread would.  Returns the descriptors consumed (a chain cut at the end is
  * left), or -EINVAL for n above 64. */
 #define MRC_ENG_PKT_CONTD 1         /* XDP_PKT_CONTD */
+
+/* The memory-region space inside the UMEM (opts.umem_mr): its address and length (0 if
+ * none).  The caller carves memory regions from it (mrc_eng_reg_mr as any other); it
+ * stays mapped after mrc_eng_close: the caller munmaps it once nothing uses it. */
+void mrc_eng_umem_mr(struct mrc_eng *e, uint64_t *addr, uint64_t *len);
 int  mrc_eng_rx_inject(struct mrc_eng *e, uint8_t *const *bufs, const uint32_t *lens,
 		       const uint32_t *opts, uint32_t n);
 
