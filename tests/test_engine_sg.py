@@ -395,3 +395,37 @@ def test_send_without_copy_from_umem_mr(env, payload):
     finally:
         A.close()
         B.close()
+
+
+def test_lab_srv6_at_ib_mtu():
+    """The netns lab in srv6 mode with mtu 4240 / app_mtu 4200 (the 40-byte outer header
+    included): made at 3506, raised once the frags-aware programs are attached; h0 -> h2
+    (two switches per path) moves 8 MiB at payload 4096, multi-buffer, intact."""
+    import uuid
+    from mrc_xdp.lab import fabric, hosts, topology
+    d = topology.read_toml(topology.DEFAULT_TOPOLOGY, "topology", topology.TopologyError)
+    d.update(mode="srv6", mtu=4240, app_mtu=4200)
+    prefix = "sgl%s-" % uuid.uuid4().hex[:4]
+    eps = {}
+    try:
+        st = fabric.up(topology.from_dict(d), prefix=prefix, hosts_hook=hosts.fabric_hook)
+        assert st["complete"]
+        for h in ("h0", "h2"):
+            eps[h] = transport.Endpoint(prefix + h)
+        A, B = eps["h0"], eps["h2"]
+        assert A.payload == 4096 and A.stats()["sg"] == 1, A.path
+        qa, qb = A.create_qp(), B.create_qp()
+        qa.connect(qb.local_attrs())
+        qb.connect(qa.local_attrs())
+        src, dst = bytearray(os.urandom(8 << 20)), bytearray(8 << 20)
+        ma, mb = A.reg_mr(src), B.reg_mr(dst)
+        qa.post_write(1, ma, 0, len(src), mb.addr, mb.rkey, imm=3)
+        ca, cb = A.cq.wait_blocking(timeout=60), B.cq.wait_blocking(timeout=10)
+        assert [c.ok for c in ca] == [True] and [c.imm for c in cb] == [3] and dst == src
+        assert qa.payload == 4096 and B.stats()["rx_mb"] >= (8 << 20) // 4096
+        qa.destroy()
+        qb.destroy()
+    finally:
+        for e in eps.values():
+            e.close()
+        fabric.down(prefix, unload_hosts=hosts.unload_all)
