@@ -60,6 +60,13 @@
 #define MRC_MIN_RTT_WLEN_NS  10000000000  /* min RTT: the least sample of (about) 10 s */
 #define MRC_SETH_M_SHIFT     5      /* SETH byte 1 bits 6-5 */
 #define MRC_SETH_M_MASK      3
+#define MRC_SETH_CE_OFF      12     /* (?) SETH byte 12 (reserved in the public layout): the
+                                     * number of CE-marked data packets this SACK reports (since
+                                     * the receiver's previous SACK, at most 255): mrc-xdp's
+                                     * receiver coalesces SACKs for marked packets and echoes the
+                                     * newest marked packet's EV, and the sender's window counts
+                                     * this many packets as marked (0 from a receiver that does
+                                     * not fill it: every byte the SACK acknowledges) */
 #define MRC_QPN_PROBE        2      /* connectionless EV probes */
 #define MRC_SETH_PR          0x02   /* SETH byte 1 bit 1: the SACK answers a PROBE_REQ */
 #define MRC_REO_STEPS_MAX    8      /* the reorder window grows to (1 + steps) x itself */

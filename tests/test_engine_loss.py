@@ -185,3 +185,11 @@ def test_dead_plane_not_retired(env):
     print("dead plane, 12 messages: %d RTO expiries, at most %d in a row, %d duplicates at B" % (tos, worst, dups))
     assert tos > 0
     assert worst <= 3, worst
+
+
+@pytest.mark.parametrize("bad", [3, 7])
+def test_ce_ack_validated(env, bad):
+    """ce_ack is 1 (coalesced) or 2 (a SACK per CE-marked packet): anything else is one
+    clear error, before any socket is made."""
+    with pytest.raises(transport.TransportError, match="ce_ack %d: 1 .* or 2" % bad):
+        transport.Endpoint(env["pair"].ia, ce_ack=bad)

@@ -282,3 +282,77 @@ def test_incast(lab, links, no_loss_retire):
     res = transfer(lab, [("h0", "h2"), ("h1", "h2"), ("h3", "h2")], 6 << 20)
     for r in res:
         assert r["tx"]["sacks_rx_ecn"] > 0 and r["tx"]["cc_dec"] > 0, (r["src"], r["tx"])
+
+
+def _path_tx(lab, src, dst) -> dict:
+    """Data packets src sent to dst per path (plane, T1), from its datapath's per-EV
+    counters (spray's own count of what it put on each EV)."""
+    from mrc_xdp.datapath.maps import Instance
+    out: dict = {}
+    with Instance(lab["prefix"] + src) as inst:
+        for e in inst.ev_table():
+            if e["conn_name"] == dst:
+                out[(e["plane"], e["t1"])] = out.get((e["plane"], e["t1"]), 0) + e["tx_pkts"]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["coalesced", "each"])
+def test_ce_on_one_path(lab, links, policy):
+    """Every link through one T1 (plane 0, T1 1) marks CE (a 200 Mbit/s phantom queue,
+    ECN above 3 KB, no trimming or drops there); h0 writes 24 MiB to h2, after the same
+    transfer without marks (each path's share of the data without marks: which EVs are
+    active depends on what earlier cases retired and promoted).
+
+    Coalesced (the default): the receiver SACKs marked packets with the rest, each SACK
+    echoing the newest marked packet's EV, so SACKs carrying CE stay at most a quarter of
+    the data packets (ack_every 8 gives about 1/8; a SACK per marked packet, the policy
+    before, gives one per marked packet: the 'each' case records it), and the sender
+    still learns which path is marked: its share of the data falls while the other path
+    of its plane takes what it loses (planes stay equally loaded)."""
+    from mrc_xdp import transport
+    mark, size = "p0t1s1", 24 << 20
+    lm = lab["lm"]
+
+    def shares(pol):
+        eps = lab["eps"]
+        if pol == "each":    # the receiver's engine decides how marked packets are SACKed
+            eps["h2"].close()
+            eps["h2"] = transport.Endpoint(lab["prefix"] + "h2", ce_ack=2)
+        try:
+            before = _path_tx(lab, "h0", "h2")
+            r = transfer(lab, [("h0", "h2")], size)[0]
+            after = _path_tx(lab, "h0", "h2")
+        finally:
+            if pol == "each":
+                eps["h2"].close()
+                eps["h2"] = transport.Endpoint(lab["prefix"] + "h2")
+        sent = {p: after[p] - before.get(p, 0) for p in after}
+        total = sum(sent.values())
+        return r, {"p%dt1%d" % p: round(n / total, 3) for p, n in sorted(sent.items())}
+
+    _reset_evs(lab)
+    _, base = shares("coalesced")
+    for lk in lab["topo"].links:
+        if mark in (lk.a.node, lk.b.node):
+            for _, rx, _ in lk.ends():
+                lm.update(rx.ifindex, rate_bps=200_000_000, ecn_bytes=3000, ecn=True, trim=False,
+                          drop_bytes=0)
+    r, share = shares(policy)
+    tx, rx = r["tx"], r["rx"]
+    ecn_per_pkt = rx["sacks_tx_ecn"] / rx["rx_pkts"]
+    print("%s %s: marked packets %d of %d; SACKs %.3f per data packet, with CE %.3f; sender "
+          "reported CE %d; path shares %s (without marks %s); rtx %d; %.2f s" % (
+              lab["mode"], policy, rx["rx_ce"], rx["rx_pkts"], rx["sacks_tx"] / rx["rx_pkts"], ecn_per_pkt,
+              tx["ce_reported"], share, base, tx["rtx_pkts"], r["seconds"]))
+    assert rx["rx_ce"] > rx["rx_pkts"] // 100, rx         # the path marked (at least 1% of all)
+    assert tx["sacks_rx_ecn"] > 0 and tx["ce_reported"] > 0, tx
+    # the marked path loses share to the other T1 of its plane; spray keeps the planes
+    # equally loaded (a skipped EV's turn goes to its own plane)
+    assert share["p0t11"] < base["p0t11"] - 0.02 and share["p0t10"] > base["p0t10"] + 0.02, (share, base)
+    assert abs(share["p0t10"] + share["p0t11"] - 0.5) < 0.02, share
+    if policy == "coalesced":
+        assert ecn_per_pkt <= 0.25, (rx["sacks_tx_ecn"], rx["rx_pkts"])
+        # every marked packet is counted once, whichever SACK reports it
+        assert rx["rx_ce"] * 0.9 <= tx["ce_reported"] <= rx["rx_ce"], (tx, rx)
+    else:
+        assert rx["sacks_tx_ecn"] >= rx["rx_ce"] * 0.9, rx

@@ -39,6 +39,7 @@ import collections
 import json
 import mmap
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -443,7 +444,23 @@ def run_failover(args, out):
             daemon.terminate()
             daemon.wait(10)
         fabric.down(prefix, unload_hosts=hosts.unload_all)
+        _cleanup(tmp)
     return res
+
+
+def _cleanup(tmp: str) -> None:
+    """Remove the run's temporary directory, unless the health daemon's log there holds a
+    traceback: then keep it and say where."""
+    log = os.path.join(tmp, "daemon.log")
+    try:
+        with open(log) as f:
+            bad = "Traceback" in f.read()
+    except OSError:
+        bad = False
+    if bad:
+        print("bench_failover: the health daemon failed; its log: %s" % log, file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def evs_of(instance):

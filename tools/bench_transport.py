@@ -521,10 +521,16 @@ def part_b(args, out):
                                                 topo.app_mtu, args.seconds))
                 runs = []
                 if no_engine is None and not shaped:   # MRC runs on the link model as designed
+                    pols = getattr(args, "ce_ack", None) or ["coalesced"]
                     for i in range(max(1, getattr(args, "mrc_runs", 1))):
-                        runs.append(("mrc_1qp" + ("#%d" % (i + 1) if i else ""), lambda i=i: mrc_perf(
-                            "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst, 18515 + i,
-                            ["--duration", str(args.seconds), "--size", str(args.msg_size)])))
+                        for j, pol in enumerate(pols):     # interleaved when several
+                            runs.append(("mrc_1qp" + ("[ce %s]" % pol if len(pols) > 1 else "")
+                                         + ("#%d" % (i + 1) if i else ""),
+                                         lambda i=i, j=j, pol=pol: mrc_perf(
+                                             "write-bw", (prefix + "h2", h2), (prefix + "h0", h0), dst,
+                                             18515 + i * len(pols) + j,
+                                             ["--duration", str(args.seconds), "--size", str(args.msg_size),
+                                              "--ce-ack", pol])))
                 if mode == "ecmp" and not getattr(args, "mrc_only", False):
                     runs += [
                         ("tcp_1flow", lambda: iperf3(h2, h0, dst, args.seconds)[0]),
@@ -555,9 +561,13 @@ def part_b(args, out):
                         # included) over what the uplinks carry in the run's time
                         busy = (uplink_bytes(topo, lm) - bb) * 8 / (cap * x["seconds"])
                         rc[name]["uplinks_busy"] = busy
-                        extra = "  (uplinks %.0f%% busy; rtx %d of %d pkts, ECN SACKs %d of %d, trims %d; " \
-                                "cwnd %s B, srtt %s us at the end)" % (
-                                    100 * busy, q["rtx_pkts"], q["tx_pkts"], q["sacks_rx_ecn"], q["sacks_rx"],
+                        # feedback volume: SACKs (and those echoing CE) per data packet sent
+                        rc[name]["ecn_sacks_per_pkt"] = q["sacks_rx_ecn"] / max(1, q["tx_pkts"])
+                        rc[name]["sacks_per_pkt"] = q["sacks_rx"] / max(1, q["tx_pkts"])
+                        extra = "  (uplinks %.0f%% busy; rtx %d of %d pkts, SACKs %d = %.2f/pkt, of them ECN %d " \
+                                "= %.2f/pkt, trims %d; cwnd %s B, srtt %s us at the end)" % (
+                                    100 * busy, q["rtx_pkts"], q["tx_pkts"], q["sacks_rx"],
+                                    rc[name]["sacks_per_pkt"], q["sacks_rx_ecn"], rc[name]["ecn_sacks_per_pkt"],
                                     q["nacks_rx_trim"], q.get("cwnd"), q.get("srtt_us"))
                     log("  %-16s %10s  %5.1f%% of capacity   uplinks %s%s" % (
                         name, mbps(bps), 100 * bps / cap,
@@ -590,6 +600,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mrc", action="store_true", help="only the kernel baselines")
     ap.add_argument("--mrc-only", action="store_true", help="(b) only MRC (no kernel baselines)")
     ap.add_argument("--mrc-runs", type=int, default=1, help="(b) MRC runs per lab (mrc_1qp, mrc_1qp#2, ...)")
+    ap.add_argument("--ce-ack", type=lambda v: v.split(","), default=["coalesced"], metavar="POLICIES",
+                    help="(b) how the receiving engine SACKs CE-marked data: coalesced (default), each (a SACK "
+                         "per marked packet, the policy before 0.3) or both, comma-separated: interleaved rows")
     ap.add_argument("--lab-mtu", type=int, default=None,
                     help="(b) fabric MTU of the lab (mrc0: 40 less; default: the default topology's 1600/1500; "
                          "at most 3000)")
@@ -660,7 +673,9 @@ def summary(out):
                     if "error" in v:
                         print("    %-14s %-16s failed: %s" % (cfg, k, v["error"][-120:]))
                         continue
-                    print("    %-14s %-16s %10s  %5.2f of capacity" % (cfg, k, mbps(v["bps"]), v["fraction"]))
+                    fb = ("   SACKs %.2f / data packet, ECN SACKs %.2f" % (v["sacks_per_pkt"], v["ecn_sacks_per_pkt"])
+                          if "sacks_per_pkt" in v else "")
+                    print("    %-14s %-16s %10s  %5.2f of capacity%s" % (cfg, k, mbps(v["bps"]), v["fraction"], fb))
         if "mrc" in b:
             print("    MRC: not measured (%s)" % b["mrc"]["skipped"])
 

@@ -82,10 +82,11 @@ def cmd_write_bw(args):
         res = write_bw_client(args.peer, args.instance, ns, size=args.size, iters=args.iters,
                               duration=args.duration, qps=args.qps, port=args.port, tx_depth=args.tx_depth,
                               mtu=args.mtu, progress=not args.json or sys.stderr.isatty(), timeout=args.timeout,
-                              spin_us=args.spin_us)
+                              spin_us=args.spin_us, ce_ack=CE_ACK[args.ce_ack])
     else:
         res = write_bw_server(args.instance, ns, port=args.port, bind=args.bind, mtu=args.mtu,
-                              accept_timeout=args.accept_timeout, timeout=args.timeout, spin_us=args.spin_us)
+                              accept_timeout=args.accept_timeout, timeout=args.timeout, spin_us=args.spin_us,
+                              ce_ack=CE_ACK[args.ce_ack])
     _emit(args, res, _fmt_bw)
 
 
@@ -135,6 +136,9 @@ def cmd_qps(args):
             r["rtx_pkts"], r["rtx_sack"], r["rtx_timeout"], r["rtx_nack_trim"], r["sacks_rx_ecn"], r["cwnd"]))
 
 
+CE_ACK = {"coalesced": 1, "each": 2}     # --ce-ack: the engine's ce_ack option
+
+
 def _guard(fn):
     def run(args):
         from mrc_xdp.datapath.maps import NotLoaded
@@ -160,6 +164,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--spin-us", type=int, default=None, metavar="US",
                    help="this side's engine: spin up to US microseconds after work before sleeping "
                         "(adaptive below it; default: the engine's, %d; 0: off)" % transport.endpoint.SPIN_DEFAULT_US)
+    p.add_argument("--ce-ack", choices=sorted(CE_ACK), default="coalesced",
+                   help="how this side SACKs data that arrives CE-marked: coalesced with the rest, the SACK "
+                        "echoing the newest marked packet's EV (default), or each: a SACK of its own per "
+                        "marked packet (the policy before 0.3, for comparison)")
     _common(p)
     p.set_defaults(fn=_guard(cmd_write_bw))
 

@@ -56,7 +56,7 @@ FEEDBACK = ("sack", "nack", "ecn", "trim", "loss", "skipped")
 QP_COUNTERS = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
                "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "nacks_rx_other", "wr_posted", "wr_done",
                "wr_error", "rx_pkts", "rx_bytes", "rx_dup", "rx_msgs", "rx_ce", "sacks_tx", "nacks_tx_trim",
-               "nacks_tx_access")
+               "nacks_tx_access", "sacks_tx_ecn", "ce_reported")
 QP_GAUGES = ("state", "srtt_ns", "min_rtt_ns", "rto_ns", "cwnd", "inflight")
 RX_EV_PER_CONN = maps.SLOTS     # receive rows of one known connection, the rest in ev="other"
 RX_EV_SERIES_MAX = 4096         # receive rows of one instance, likewise

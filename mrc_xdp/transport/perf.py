@@ -64,9 +64,10 @@ class Session:
     """An endpoint, its QPs and MR, and the bootstrap channel; closes all of it."""
 
     def __init__(self, instance: str, ns: str | None, mtu: int | None = None, cmd: str = "",
-                 spin_us: int | None = None):
+                 spin_us: int | None = None, ce_ack: int | None = None):
         t = _transport()
-        self.ep = t.Endpoint(instance, ns, mtu=mtu, **({} if spin_us is None else {"spin_us": spin_us}))
+        opts = {k: v for k, v in (("spin_us", spin_us), ("ce_ack", ce_ack)) if v is not None}
+        self.ep = t.Endpoint(instance, ns, mtu=mtu, **opts)
         self.qps = []
         self.mr = None
         self.ch = None
@@ -122,7 +123,8 @@ def _check_wc(c, what: str):
 
 def _summ_qp_stats(stats: list[dict]) -> dict:
     keys = ("tx_pkts", "tx_bytes", "rtx_pkts", "rtx_timeout", "rtx_sack", "rtx_nack_trim", "timeouts",
-            "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "rx_bytes", "rx_dup", "rx_ce")
+            "sacks_rx", "sacks_rx_ecn", "nacks_rx_trim", "rx_pkts", "rx_bytes", "rx_dup", "rx_ce",
+            "ce_reported")
     out = {k: sum(s.get(k, 0) for s in stats) for k in keys}
     if stats:
         out["cwnd"] = [s.get("cwnd") for s in stats]
@@ -221,7 +223,8 @@ def _telling(ch):
 def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int = DEFAULT_SIZE,
                     iters: int | None = None, duration: float | None = None, qps: int = 1,
                     port: int = bs.DEFAULT_PORT, tx_depth: int | None = None, mtu: int | None = None,
-                    progress: bool = False, timeout: float = 30.0, spin_us: int | None = None) -> dict:
+                    progress: bool = False, timeout: float = 30.0, spin_us: int | None = None,
+                    ce_ack: int | None = None) -> dict:
     if size < 1:
         raise PerfError("--size %d: must be at least 1 byte" % size)
     _check_spins(spin_us, 0)
@@ -230,7 +233,7 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
     if iters is None and duration is None:
         iters = 5000 if size <= 65536 else 1000
     depth = tx_depth or max(1, min(128, MAX_INFLIGHT_BYTES // size // qps))
-    with Session(instance, ns, mtu, "write-bw client", spin_us) as s:
+    with Session(instance, ns, mtu, "write-bw client", spin_us, ce_ack) as s:
         src = bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size]
         s.mr = s.ep.reg_mr(src)
         s.make_qps(qps)
@@ -290,12 +293,15 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
 
 def write_bw_server(instance: str, ns: str | None = None, port: int = bs.DEFAULT_PORT,
                     bind: str = "::", mtu: int | None = None, accept_timeout: float | None = None,
-                    timeout: float = 30.0, log=None, spin_us: int | None = None) -> dict:
+                    timeout: float = 30.0, log=None, spin_us: int | None = None,
+                    ce_ack: int | None = None) -> dict:
+    """ce_ack: how this side SACKs CE-marked data (Endpoint's ce_ack: 1 coalesced, 2 one
+    SACK each; None: the engine's default, 1)."""
     _check_spins(spin_us, 0)
     ch = _serve(instance, ns, port, bind, accept_timeout, timeout, "write-bw", log)
     with _telling(ch):
         size, qps = ch.hello["size"], ch.hello["qps"]
-        with Session(instance, ns, mtu, "write-bw server", spin_us) as s:
+        with Session(instance, ns, mtu, "write-bw server", spin_us, ce_ack) as s:
             s.mr = s.ep.reg_mr(bytearray(size))
             s.make_qps(qps)
             ch.send({"type": "qps", "qps": s.attrs()})

@@ -24,8 +24,9 @@
  * ACK coalescing (receiver): at the end of each RX batch (<= 64 frames) a SACK for the
  * newest packet if ack_every data packets are unacknowledged, or a packet of the batch
  * left a hole, was a duplicate or carried AckReq; else ack_delay_us after the first
- * unacknowledged one; and a SACK of its own, at once, for each CE-marked packet (so
- * M=SKIP_ONCE echoes the EV that was marked).
+ * unacknowledged one.  CE-marked packets are SACKed the same way (ce_ack 1): the SACK
+ * sets M=SKIP_ONCE, echoes the newest marked packet's EV and counts the marked packets
+ * (SETH byte MRC_SETH_CE_OFF); ce_ack 2: a SACK of its own at once for each of them.
  * SACK bitmaps start at cack; when the newest packet is 64 or more beyond cack a second
  * SACK follows whose bitmap ends at it.
  * Loss (sender): RACK as in the datapath (bpf/mrc_datapath.c sack_losses): a PSN a SACK
@@ -387,7 +388,8 @@ struct qp {
 	uint64_t *rcv_bm;                        /* win bits, by psn & mask */
 	struct rmsg *msgs;                       /* win entries, by msn & mask */
 	uint16_t rmsn_next;
-	uint32_t ack_pending, ack_psn, ack_ev, ack_ce, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
+	uint32_t ack_pending, ack_psn, ack_ev, ack_ts;   /* ack_ts: TSETH tx_ts + 1 (0: none) */
+	uint32_t ack_ce, ack_ce_ev;              /* CE-marked packets since the last SACK, the newest one's EV */
 	uint64_t ack_deadline, rcvd_bytes;
 	int ack_now, ack_dup;
 	struct mrc_qp_stats st;
@@ -1283,9 +1285,14 @@ static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m
 		   0, repeat ? MRC_BTH_B8_RTX : 0, cack);
 	h = f + OFF_EXT;
 	memset(h, 0, MRC_SETH_LEN + MRC_CCSTATE_LEN);
-	h[1] = (uint8_t)((with_m && q->ack_ce ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
+	with_m = with_m && q->ack_ce;
+	h[1] = (uint8_t)((with_m ? MRC_M_SKIP_ONCE : MRC_M_NONE) << MRC_SETH_M_SHIFT);
 	put16(h + 2, (uint16_t)aoff);
-	put32(h + 4, q->ack_ev);
+	/* The echo: the triggering packet's EV, or with M=SKIP_ONCE the newest CE-marked
+	 * packet's (the datapath skips the EV a SACK echoes; ack_psn and the reflected
+	 * timestamp still date the triggering packet for the loss rule and RTT). */
+	put32(h + 4, with_m ? q->ack_ce_ev : q->ack_ev);
+	h[MRC_SETH_CE_OFF] = (uint8_t)(with_m ? (q->ack_ce > 255 ? 255 : q->ack_ce) : 0);
 	put24(h + 13, cack);
 	h[17] = (uint8_t)(q->win / 128 > 255 ? 255 : q->win / 128);   /* MPR */
 	put16(h + 18, (uint16_t)soff);
@@ -1299,6 +1306,8 @@ static int sack_frame(struct mrc_eng *e, struct qp *q, uint32_t base, int with_m
 	if (tx_submit(e, addr, frame_len))
 		return -1;
 	q->st.sacks_tx++;
+	if (with_m)
+		q->st.sacks_tx_ecn++;
 	return 0;
 }
 
@@ -1321,7 +1330,7 @@ static void send_sack(struct mrc_eng *e, struct qp *q)
 	 * each cross the dead plane half the time, and a QP could spend its retry budget on
 	 * coin tosses. */
 	if (q->ack_dup)
-		sack_frame(e, q, q->rcv_cack, 1, 1);
+		sack_frame(e, q, q->rcv_cack, 0, 1);   /* the CE echo counted once */
 	q->ack_dup = 0;
 	q->ack_pending = 0;
 	q->ack_now = 0;
@@ -1473,10 +1482,14 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 	q->ack_ts = ts;
 	q->ack_pending++;
 	if (ce) {
-		/* its own SACK at once: M=SKIP_ONCE must echo the EV of the marked packet */
-		q->ack_ce = 1;
-		send_sack(e, q);
-		return;
+		/* echoed with M=SKIP_ONCE by the next SACK, coalesced like the rest (ce_ack 1);
+		 * ce_ack 2: a SACK of its own at once */
+		q->ack_ce++;
+		q->ack_ce_ev = ev;
+		if (e->o.ce_ack == 2) {
+			send_sack(e, q);
+			return;
+		}
 	}
 	if (bth[8] & MRC_BTH_B8_ACKREQ)
 		q->ack_now = 1;
@@ -1560,15 +1573,18 @@ static int cc_md(struct mrc_eng *e, struct qp *q, uint64_t frac1024, uint64_t no
  * above the target with ECN, a decrease proportional to the excess (at most cc_max_md %).
  * Increase: proportional to the distance below the target while no mark was seen for a
  * while (alpha ~ 0), else one cc_fair_inc per window (additive, fair). */
-static void cc_update(struct mrc_eng *e, struct qp *q, uint64_t acked, int ecn, uint64_t rtt, uint64_t now)
+static void cc_update(struct mrc_eng *e, struct qp *q, uint64_t acked, uint64_t marked, int ecn,
+		      uint64_t rtt, uint64_t now)
 {
 	uint64_t target = (uint64_t)e->o.cc_target_us * 1000, dec;
 
 	if (!rtt)
 		rtt = q->srtt;
 	q->cc_acked += acked;
+	/* marked: the acked bytes that came CE-marked (the SACK's count x payload, at most
+	 * what it acknowledged; all of them from a peer that does not count) */
 	if (ecn)
-		q->cc_ecn += acked ? acked : q->payload;
+		q->cc_ecn += acked ? (marked < acked ? marked : acked) : q->payload;
 	if (now >= q->cc_win_end) {
 		uint64_t f = q->cc_acked ? q->cc_ecn * 1024 / q->cc_acked : (q->cc_ecn ? 1024 : 0);
 
@@ -1685,6 +1701,7 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	uint64_t bm = get64(h + 20), acked = 0, rtt = 0, now = now_ns(), trig_seq = 0, wnd = 0, trig_ns = 0;
 	uint64_t rtt_ts0 = q->st.rtt_ts;
 	uint8_t m = (h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK;
+	uint32_t nce = 0;                        /* CE-marked packets the SACK reports */
 	struct txp *tt;
 	int trig_known = 0;
 
@@ -1697,8 +1714,11 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		return;
 	}
 	fb_seen(q, now);
-	if (m == MRC_M_SKIP_ONCE)
+	if (m == MRC_M_SKIP_ONCE) {
 		q->st.sacks_rx_ecn++;
+		nce = h[MRC_SETH_CE_OFF] ? h[MRC_SETH_CE_OFF] : 1;
+		q->st.ce_reported += nce;
+	}
 	if (h[17])
 		q->peer_mpr = (uint32_t)h[17] * 128 < q->win ? (uint32_t)h[17] * 128 : q->win;
 	trig = (cack + aoff) & PSN_MASK;
@@ -1774,7 +1794,8 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		}
 	}
 	if (acked || rtt)
-		cc_update(e, q, acked, m == MRC_M_SKIP_ONCE, rtt, now);
+		cc_update(e, q, acked, h[MRC_SETH_CE_OFF] ? (uint64_t)nce * q->payload : acked,
+			  m == MRC_M_SKIP_ONCE, rtt, now);
 	advance_una(e, q, now);
 }
 
@@ -2533,6 +2554,7 @@ static void defaults(struct mrc_eng_opts *o)
 	DEF(cc_md_gamma, 100);
 	DEF(cc_max_md, 50);
 	DEF(spin_us, MRC_ENG_SPIN_DEFAULT_US);
+	DEF(ce_ack, 1);
 }
 
 static int pow2(uint32_t v) { return v && !(v & (v - 1)); }
@@ -2656,6 +2678,11 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	if (e->o.spin_us != MRC_ENG_SPIN_OFF && e->o.spin_us > MRC_ENG_SPIN_MAX_US) {
 		snprintf(err, errlen, "engine options: spin_us %u: at most %u microseconds (or off)",
 			 e->o.spin_us, MRC_ENG_SPIN_MAX_US);
+		goto fail;
+	}
+	if (e->o.ce_ack > 2) {
+		snprintf(err, errlen, "engine options: ce_ack %u: 1 (CE echoes coalesced) or 2 (a SACK "
+			 "per CE-marked packet)", e->o.ce_ack);
 		goto fail;
 	}
 	e->spin_max_ns = e->o.spin_us == MRC_ENG_SPIN_OFF ? 0 : (uint64_t)e->o.spin_us * 1000;

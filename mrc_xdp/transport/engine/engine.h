@@ -104,6 +104,11 @@ struct mrc_eng_opts {
 	                             * in engine.c).  0: the default (MRC_ENG_SPIN_DEFAULT_US);
 	                             * MRC_ENG_SPIN_OFF: never spin (sleep as soon as idle);
 	                             * at most MRC_ENG_SPIN_MAX_US */
+	uint32_t ce_ack;            /* feedback for CE-marked data: 1 (default) coalesced with the
+	                             * rest (ack_every / ack_delay_us), the SACK's M=SKIP_ONCE
+	                             * echoing the newest marked packet's EV and SETH byte
+	                             * MRC_SETH_CE_OFF counting the marked packets; 2: a SACK of
+	                             * its own at once for every marked packet (before 0.3) */
 	uint32_t sg;                /* AF_XDP multi-buffer (bind flag XDP_USE_SG, kernel 6.6+; copy
 	                             * mode too): a packet spans several UMEM frames, chained with
 	                             * XDP_PKT_CONTD, so the payload may exceed one frame (up to
@@ -248,6 +253,10 @@ struct mrc_qp_stats {
 	                             * 1 in flight, 2 acked, 3 lost; + 4 when queued for resend */
 	uint64_t rtx_queued;        /* entries in the resend queue (stale ones included) */
 	uint64_t pace_wait_ns;      /* how far ahead of now the pacer holds the next send */
+	uint64_t sacks_tx_ecn;      /* receiver: SACKs sent with M=SKIP_ONCE (CE echoed) */
+	uint64_t ce_reported;       /* sender: CE-marked packets the peer's SACKs reported
+	                             * (SETH byte MRC_SETH_CE_OFF; 1 per M=SKIP_ONCE SACK from a
+	                             * peer that leaves it 0) */
 };
 
 struct mrc_eng;
