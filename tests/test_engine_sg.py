@@ -429,3 +429,21 @@ def test_lab_srv6_at_ib_mtu():
         for e in eps.values():
             e.close()
         fabric.down(prefix, unload_hosts=hosts.unload_all)
+
+
+def test_kernel_without_multibuffer_falls_back(env, monkeypatch):
+    """A kernel that refuses XDP_USE_SG (before 6.6: EINVAL; simulated here by the engine's
+    test switch MRC_ENG_TEST_REFUSE_SG): with sg auto the endpoint takes the single-buffer
+    path with the largest one-frame payload and says why; with the 4096 payload asked
+    for explicitly (sg on) it fails saying so.  Transfers still run, at 3712."""
+    env.close()
+    monkeypatch.setenv("MRC_ENG_TEST_REFUSE_SG", "1")
+    A, B = env.eps(None)
+    st = A.stats()
+    assert (A.payload, st["sg"], st["sg_refused"]) == (tep.single_frame_payload(), 0, 22), st
+    assert "refused XDP_USE_SG" in A.path and A.path.startswith("single-buffer"), A.path
+    pl, sa, sb = write(env, 0, (3 << 20) + 11)
+    assert pl == 3712 and B.stats()["rx_mb"] == 0
+    env.close()
+    with pytest.raises(transport.TransportError, match="multi-buffer .XDP_USE_SG. refused"):
+        transport.Endpoint(env.pair.ia, mtu=4096)

@@ -2619,6 +2619,9 @@ static int make_socket(struct mrc_eng *e, uint16_t bind_flags)
 	};
 	int rc;
 
+	/* tests: a kernel without AF_XDP multi-buffer (before 6.6) refuses the flag so */
+	if ((bind_flags & XDP_USE_SG) && getenv("MRC_ENG_TEST_REFUSE_SG"))
+		return -EINVAL;
 	rc = xsk_umem__create(&e->umem, e->area, e->area_len, &e->fill, &e->comp, &uc);
 	if (rc)
 		return rc;
