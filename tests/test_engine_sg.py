@@ -447,3 +447,37 @@ def test_kernel_without_multibuffer_falls_back(env, monkeypatch):
     env.close()
     with pytest.raises(transport.TransportError, match="multi-buffer .XDP_USE_SG. refused"):
         transport.Endpoint(env.pair.ia, mtu=4096)
+
+
+def test_bootstrap_negotiates_payload():
+    """Over the bootstrap (the CLI's write-bw on a live pair at MTU 9000): a client asking
+    for 8192 against a server at its default (4096) moves 4096-byte packets; both asking
+    for 8192 move 8192-byte ones; every byte placed."""
+    import subprocess
+    import sys
+    from perf_pair import B_CTL, make_pair
+    gen = make_pair("sg", mtu=9000)
+    pair = next(gen)
+    try:
+        cli = [sys.executable, "-m", "mrc_xdp.cli"]
+        for server_mtu, want in ((None, 4096), (8192, 8192)):
+            port = str(21000 + (os.getpid() + want) % 2000)
+            srv = subprocess.Popen(cli + ["write-bw", "-i", pair["b"], "--bind", B_CTL, "--port", port, "--json"]
+                                   + (["--mtu", str(server_mtu)] if server_mtu else []),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                cl = subprocess.run(cli + ["write-bw", B_CTL, "-i", pair["a"], "--port", port, "--json",
+                                           "--mtu", "8192", "--size", str(1 << 20), "--iters", "20"],
+                                    capture_output=True, text=True, timeout=120)
+                so, se = srv.communicate(timeout=30)
+            finally:
+                if srv.poll() is None:
+                    srv.kill()
+            assert cl.returncode == 0 and srv.returncode == 0, (cl.stderr, se)
+            c, s = json.loads(cl.stdout.splitlines()[-1]), json.loads(so.splitlines()[-1])
+            st = c["qp_stats"]
+            assert s["server_qp_stats"]["rx_bytes"] == 20 << 20
+            # packets of the negotiated payload: 256 per 1 MiB at 4096, 128 at 8192
+            assert st["tx_pkts"] - st["rtx_pkts"] == 20 * (1 << 20) // want, (want, st)
+    finally:
+        gen.close()
