@@ -482,7 +482,7 @@ _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
               "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "ce_ack",
-              "sg", "umem_mr")
+              "sg", "umem_mr", "tx_budget")
 SPIN_DEFAULT_US = 0         # engine.h MRC_ENG_SPIN_DEFAULT_US (off)
 SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes

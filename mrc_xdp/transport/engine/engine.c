@@ -65,6 +65,9 @@
 #ifndef XDP_USE_SG
 #define XDP_USE_SG    (1 << 4)   /* bind: the socket takes packets of several frames */
 #endif
+#ifndef XDP_MAX_TX_SKB_BUDGET
+#define XDP_MAX_TX_SKB_BUDGET 9  /* setsockopt (Linux 6.17+): descriptors per send syscall */
+#endif
 #ifndef XDP_PKT_CONTD
 #define XDP_PKT_CONTD (1 << 0)   /* xdp_desc.options: the packet goes on in the next descriptor */
 #endif
@@ -2765,6 +2768,16 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 		goto fail;
 	}
 	e->xsk_fd = xsk_socket__fd(e->xsk);
+	{       /* copy mode: more descriptors per send syscall than the kernel's 32 (a multi-buffer
+		 * packet takes several); kernels before 6.17 refuse the option and keep 32 */
+		unsigned int b = e->o.tx_budget ? e->o.tx_budget : 256;
+
+		if (b > e->o.ring)
+			b = e->o.ring;
+		e->st.tx_budget = 32;
+		if (b > 32 && !setsockopt(e->xsk_fd, SOL_XDP, XDP_MAX_TX_SKB_BUDGET, &b, sizeof(b)))
+			e->st.tx_budget = b;
+	}
 	if (e->o.xsks_fd >= 0) {
 		__u32 key = e->o.queue;
 		int fd = e->xsk_fd;

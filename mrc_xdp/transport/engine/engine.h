@@ -123,6 +123,10 @@ struct mrc_eng_opts {
 	                             * frame, descriptors pointing at the payload in place, a
 	                             * trailer frame (needs multi-buffer: sg is then on).  The
 	                             * space stays mapped after close (mrc_eng_umem_mr) */
+	uint32_t tx_budget;         /* descriptors one send syscall hands the driver in copy mode
+	                             * (setsockopt XDP_MAX_TX_SKB_BUDGET, Linux 6.17+; the kernel's
+	                             * own is 32): default 256, at most the TX ring; older
+	                             * kernels keep 32 (stats tx_budget says which) */
 };
 
 #define MRC_ENG_SG_AUTO         0
@@ -200,6 +204,7 @@ struct mrc_eng_stats {
 	uint64_t tx_mb_frames;      /* frames in them */
 	uint64_t xsk_tx_invalid;    /* TX descriptors the kernel refused (XDP_STATISTICS) */
 	uint64_t tx_inplace;        /* data packets sent from UMEM memory regions without a copy */
+	uint64_t tx_budget;         /* descriptors per send syscall in force (32: the kernel's) */
 };
 
 struct mrc_qp_stats {
