@@ -395,6 +395,20 @@ def test_send_without_copy_from_umem_mr(env, payload):
     finally:
         A.close()
         B.close()
+    # the space is unmapped once the endpoint is closed and its regions dropped
+    import gc
+    base = A._umem.addr
+    del ma, mo, qa, qb, A
+    gc.collect()
+
+    def mapped(addr):
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= addr < hi:
+                    return True
+        return False
+    assert not mapped(base)
 
 
 def test_lab_srv6_at_ib_mtu():

@@ -179,6 +179,7 @@ class _UmemSpace:
     def __init__(self, addr: int, length: int):
         self.addr, self.length = addr, length
         self.free_list = [(0, length)]
+        self.closed = False         # the engine is closed: nothing else uses the space
 
     def alloc(self, size: int) -> int:
         need = -(-max(1, size) // self.UNIT) * self.UNIT
@@ -200,7 +201,9 @@ class _UmemSpace:
                 self.free_list.append((o, n))
 
     def __del__(self):
-        if _munmap is not None:
+        # only once the engine is closed (an endpoint dropped without close() keeps its
+        # engine, and the space stays: a leak, not a crash)
+        if self.closed and _munmap is not None:
             _munmap(self.addr, self.length)
 
 
@@ -721,6 +724,8 @@ class Endpoint:
             mr.registered = False
         e, self._e = self._e, None
         _engine()[1].mrc_eng_close(e)
+        if getattr(self, "_umem", None) is not None:
+            self._umem.closed = True
         for mr in self._mrs:        # the progress thread is gone: nothing reads or writes them
             mr._release()
         self._mrs.clear()
