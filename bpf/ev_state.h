@@ -96,6 +96,8 @@ static __always_inline int ev_replace(__u32 cid, struct mrc_conn *c, __u32 slot)
 	 * plane's EVs or none, which the plane and state checks reject. */
 #pragma unroll
 	for (j = 0; j < MRC_BACKUP_MAX; j++) {
+		if (j >= b)
+			continue;
 		bslot = base + j;
 		eb = ev_at(cid, bslot);
 		if (!eb || eb->state != MRC_EV_GOOD || eb->plane != ea->plane)

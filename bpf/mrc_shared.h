@@ -12,15 +12,17 @@
 #define MRC_SHARED_H
 
 /* ------------------------------------------------------------------ sizes */
-#define MRC_MAX_CONNS        64     /* connections per host instance */
+#define MRC_MAX_CONNS        1024   /* connections per host instance (every per-connection
+                                     * map is sized from it: docs/datapath.md, "Scale") */
 #define MRC_MAX_PLANES       8
-#define MRC_EV_SLOTS         512    /* per connection: active + backup */
-#define MRC_EV_ACTIVE_MAX    256    /* slots [0,256) active, [256,512) backup */
+#define MRC_EV_SLOTS         128    /* per connection: active + backup (a power of 2) */
+#define MRC_EV_ACTIVE_MAX    64     /* slots [0,64) active, [64,128) backup: ev_per_plane x
+                                     * planes <= 64, backup_per_plane x planes <= 64 */
 #define MRC_PSN_RING         1024   /* PSN -> EV ring per connection */
 #define MRC_MAX_TMPL         256    /* SRv6 row templates */
 #define MRC_USID_MAX         6      /* uSIDs in one F3216 address */
 #define MRC_ICRC_TBL_LEN     32832  /* ICRC update rows: udp_len - 6 < this (a 32 KiB payload) */
-#define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU) */
+#define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU): 16 x MRC_MAX_CONNS */
 #define MRC_LOSS_BATCH       2      /* losses attributed per SACK at most */
 #define MRC_FB_WINDOW        32768  /* feedback: cack and bitmap base at most this far behind
                                      * the newest PSN sent + 1 (the reach of SETH's offsets) */

@@ -88,6 +88,109 @@ def test_thousand_qps_and_idle(pair):
     assert fds() == fd0 and threads() == th0
 
 
+def _map_entries(inst: str) -> dict:
+    """Entries of the instance's per-connection maps: hash keys (mrc_rxev: those of the
+    run-time ids; the config's connections keep counting what they receive), non-zero
+    array rows of mrc_conns, the connections in its state file."""
+    from mrc_xdp.datapath import bpfsys, maps
+    from mrc_xdp.datapath.shared import const
+    from mrc_xdp.transport import conns
+    out = {}
+    d = maps.pin_dir(inst)
+    for n in ("mrc_connidx", "mrc_evidx", "mrc_rxev"):
+        with bpfsys.Map.open_pinned(os.path.join(d, n)) as m:
+            keys = m.keys_batch()
+            if n == "mrc_rxev":
+                keys = [k for k in keys                  # (id MRC_MAX_CONNS: no known connection)
+                        if len(ep_.CONNS) <= int.from_bytes(k[:4], "little") < const("MRC_MAX_CONNS")]
+            out[n] = len(keys)
+    with bpfsys.Map.open_pinned(os.path.join(d, "mrc_conns")) as m:
+        zero = bytes(m.value_size)
+        out["mrc_conns"] = sum(m.lookup(i) != zero for i in range(m.max_entries))
+    out["state"] = len(conns.list_(inst))
+    return out
+
+
+def _rows_zero(inst: str, cids) -> list[str]:
+    """Array rows of connection ids cids that are not zero (PSN ring, EV slots, counters)."""
+    from mrc_xdp.datapath import bpfsys, maps
+    from mrc_xdp.datapath.shared import const
+    d, ring, slots = maps.pin_dir(inst), const("MRC_PSN_RING"), const("MRC_EV_SLOTS")
+    bad = []
+    for n, per in (("mrc_psn", ring), ("mrc_evs", slots), ("mrc_evctr", slots)):
+        with bpfsys.Map.open_pinned(os.path.join(d, n)) as m:
+            for cid in cids:
+                for i in range(cid * per, (cid + 1) * per):
+                    v = m.lookup(i)
+                    if any(x != bytes(m.value_size) for x in (v if isinstance(v, list) else [v])):
+                        bad.append("%s[%d]" % (n, i))
+                        break
+    return bad
+
+
+def test_1024_qps_at_once(pair):
+    """One endpoint with MRC_MAX_CONNS (1024) QPs: every QP a datapath connection (the 4 of
+    the config and 1020 added at connect), a 64 KiB Write-with-Immediate posted on every
+    one of them before any completes (64 MiB, 20 packets a QP: more than the endpoint's
+    4096 TX frames, so QPs wait for frames and take turns), every byte checked; closing
+    both endpoints brings fds,
+    threads, UMEM frames, datapath map entries and connections back to the baseline."""
+    import hashlib
+    from mrc_xdp.datapath.shared import const
+    n, size = const("MRC_MAX_CONNS"), 65536
+    base = {i: _map_entries(i) for i in (pair.ia, pair.ib)}
+    fd0, th0 = fds(), threads()
+    t0 = time.monotonic()
+    A, B = transport.Endpoint(pair.ia), transport.Endpoint(pair.ib)
+    try:
+        free0 = (A.stats()["umem_free"], B.stats()["umem_free"])
+        src, dst = bytearray(os.urandom(n * size)), bytearray(n * size)
+        ma, mb = A.reg_mr(src), B.reg_mr(dst)
+        qps = [ep_.connect(A, B, k) for k in range(len(ep_.CONNS))]
+        for _ in range(n - len(qps)):
+            qa, qb = A.create_qp(), B.create_qp()
+            qa.connect(qb.local_attrs())
+            qb.connect(qa.local_attrs())
+            qps.append((qa, qb))
+        assert A.stats()["qps"] == n and B.stats()["qps"] == n
+        for i in (pair.ia, pair.ib):
+            assert _map_entries(i)["state"] == n
+        t_open = time.monotonic() - t0
+        for k, (qa, _) in enumerate(qps):
+            qa.post_write(k, ma, k * size, size, mb.addr + k * size, mb.rkey, imm=k)
+        done, imms = {}, set()
+        deadline = time.monotonic() + 120
+        while (len(done) < n or len(imms) < n) and time.monotonic() < deadline:
+            for c in A.cq.wait_blocking(timeout=1, max_n=1024):
+                done[c.wr_id] = c.ok
+            for c in B.cq.poll(1024):
+                assert c.ok, c
+                imms.add(c.imm)
+        assert len(done) == n and all(done.values()), "%d of %d writes completed" % (len(done), n)
+        while len(imms) < n and time.monotonic() < deadline:
+            imms.update(c.imm for c in B.cq.wait_blocking(timeout=1, max_n=1024))
+        assert imms == set(range(n))
+        assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
+        assert dst == src
+        st = [qa.stats() for qa, _ in qps]
+        assert min(x["tx_pkts"] for x in st) >= 1, "a QP sent nothing"
+        rtx = (sum(x["rtx_pkts"] for x in st), sum(x["rtx_timeout"] for x in st), sum(x["tx_pkts"] for x in st))
+        t_data = time.monotonic() - t0 - t_open
+        time.sleep(0.1)             # the last completions' frames come back
+        assert (A.stats()["umem_free"], B.stats()["umem_free"]) == free0
+    finally:
+        A.close()
+        B.close()
+    t_all = time.monotonic() - t0
+    print("1024 QPs: open+connect %.1f s, data %.1f s, all with close %.1f s; resent %d (RTO %d) of %d packets"
+          % ((t_open, t_data, t_all) + rtx))
+    assert fds() == fd0 and threads() == th0
+    for i in (pair.ia, pair.ib):
+        assert _map_entries(i) == base[i], i
+        # the run-time ids (4 .. n-1): first, middle, last left with all-zero rows
+        assert _rows_zero(i, (4, n // 2, n - 1)) == []
+
+
 def test_pacing_options(pair):
     """Paced by default (cc_pace 1): the window sets the rate (cwnd per min RTT), so it may
     go below one packet (floor payload/16, fair increase payload/8 per RTT); cc_pace=2 is

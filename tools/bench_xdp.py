@@ -126,6 +126,16 @@ SINGLE = " [single-buffer]"            # --compare-single: the same case on MRC_
 C_SPRAY_MB = "spray ECMP, 4 KB payload, multi-buffer"     # frags path: linear 3520 B + a frag
 C_ING_MB = "ingress data, 4 KB payload, multi-buffer"
 PAYLOAD_MB = 4096
+# --conns N: the same cases on two more ECMP datapaths holding 3 and N connections (the
+# bench connection the last of them), in the same rounds: what a full instance costs
+SCALE_FEW = 3
+C_SCALE = {"spray": "spray ECMP, 1 KB payload, %d conns", "ingress": "ingress data, 1 KB payload, %d conns",
+           "sack": "ingress SACK M=NONE, %d conns",
+           # repeat-safe copies that forget the per-CPU connection cache first (the hash lookup)
+           "spray_miss": "spray ECMP, 1 KB, conn cache miss, %d conns",
+           "ingress_miss": "ingress data, 1 KB, conn cache miss, %d conns"}
+SCALE_GROUP = {"spray": "spray", "ingress": "ingress", "sack": "ingress", "spray_miss": "spray",
+               "ingress_miss": "ingress"}
 
 # Appended to a copy of the amalgamated datapath source; %(spray)s and %(ingress)s are the
 # bodies of mrc_spray and mrc_ingress, renamed.  Loaded for test runs only.
@@ -289,6 +299,31 @@ int bench_push_outer_undo(struct xdp_md *ctx)
 		return XDP_ABORTED;
 	return XDP_PASS;
 }
+
+/* The per-CPU connection cache forgotten before every repetition: conn_find takes the
+ * mrc_connidx hash, as for a packet of another connection than the previous one. */
+static __always_inline void bench_forget_conn(void)
+{
+	__u32 zero = 0;
+	struct mrc_ccache *cc = mrc_ccache.lookup(&zero);
+
+	if (cc) {
+		cc->cid1[0] = 0;
+		cc->cid1[1] = 0;
+	}
+}
+
+int bench_spray_miss(struct xdp_md *ctx)
+{
+	bench_forget_conn();
+	return bench_spray_body(ctx);
+}
+
+int bench_ingress_miss(struct xdp_md *ctx)
+{
+	bench_forget_conn();
+	return bench_ingress_body(ctx);
+}
 """
 
 
@@ -302,13 +337,18 @@ class BenchError(RuntimeError):
 
 # ------------------------------------------------------------------ set-up
 
-def host_config(mode: str):
+def host_config(mode: str, nconns: int = 1):
+    """nconns: connections in all; the bench connection is the last, after nconns - 1
+    others (to 64 other peers, 8 active + 4 backup EVs per plane each, as it has)."""
     from mrc_xdp.datapath.config import HostConfig
     planes = [{"dev": "p%d" % i, "gateway_mac": GW_MACS[i]} for i in range(2)]
     conn = {"peer": PEER, "local_qpn": LOCAL_QPN, "remote_qpn": REMOTE_QPN,
             "ev_per_plane": 8, "backup_per_plane": 4, "name": "bench"}
+    others = [{"peer": "fd00::1:%x" % (i % 64), "local_qpn": 0x1000 + i, "remote_qpn": 0x2000 + i,
+               "ev_per_plane": 8, "backup_per_plane": 4, "name": "other%d" % i}
+              for i in range(nconns - 1)]
     d = {"instance": "bench", "mode": mode, "local_addr": LOCAL, "planes": planes,
-         "connections": [conn]}
+         "connections": others + [conn]}
     if mode == "srv6":
         for i, p in enumerate(planes):
             p["srv6_src"] = "fd00:%x::1" % (0xa + i)
@@ -378,7 +418,7 @@ class Bench:
     """The repeat-safe copies: a bcc object with the datapath's maps and the bench_* programs."""
 
     PROGS = ("bench_spray", "bench_ingress_decap", "bench_reset", "bench_push_eth_undo",
-             "bench_push_outer_undo", "bench_forward")
+             "bench_push_outer_undo", "bench_forward", "bench_spray_miss", "bench_ingress_miss")
 
     def __init__(self):
         from bcc import BPF
@@ -465,6 +505,11 @@ class Run:
         self.vals: list[float] = []     # ns per repetition, one per round
 
 
+def scale_ns(dps) -> list[int]:
+    """The connection counts of the --conns datapaths, fewest first ([] without them)."""
+    return sorted(int(k[5:]) for k in dps if k.startswith("conns"))
+
+
 def build_runs(dps, cfgs, ifx, bench, probe):
     from mrc_xdp.datapath import wire
     from mrc_xdp.datapath.bpfsys import XDP_PASS, XDP_REDIRECT, prog_test_run
@@ -548,6 +593,18 @@ def build_runs(dps, cfgs, ifx, bench, probe):
         f = rx_data(PAYLOAD_MB)
         add(Run(C_ING_MB, ecmp.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
                 check=same_len(f), counter=(ecmp, "ING_DATA")))
+    for n in scale_ns(dps):         # --conns: 3 and N connections loaded, the same frames
+        dp = dps["conns%d" % n]
+        f = tx_data(PAYLOAD_BIG)
+        add(Run(C_SCALE["spray"] % n, dp.fd("spray"), f, ifx_fab, XDP_REDIRECT,
+                check=sprayed(f, 0), counter=(dp, "SPRAY_ICRC_FIX")))
+        add(Run(C_SCALE["spray_miss"] % n, dp.bench_fds["bench_spray_miss"], f, ifx_fab, XDP_REDIRECT,
+                check=sprayed(f, 0), counter=(dp, "SPRAY_ICRC_FIX")))
+        f = rx_data(PAYLOAD_BIG)
+        add(Run(C_SCALE["ingress"] % n, dp.fd("ingress"), f, ifx_p0, XDP_REDIRECT,
+                check=same_len(f), counter=(dp, "ING_DATA")))
+        add(Run(C_SCALE["ingress_miss"] % n, dp.bench_fds["bench_ingress_miss"], f, ifx_p0, XDP_REDIRECT,
+                check=same_len(f), counter=(dp, "ING_DATA")))
     f = wire.data_frame(LOCAL, PEER, REMOTE_QPN, PSN, b"\xab" * PAYLOAD_BIG, ts=0x1234)
     add(Run(C_SPRAY_TS % BIG, ecmp.fd("spray"), f, ifx_fab, XDP_REDIRECT,
             check=sprayed(f, 0), counter=(ecmp, "SPRAY_ICRC_FIX")))
@@ -565,11 +622,16 @@ def build_runs(dps, cfgs, ifx, bench, probe):
 
     # Feedback counts only inside the sent window: every SACK below acks PSN, sent here
     # once (untimed) on both datapaths that see SACKs; main() checks none fell outside.
-    for fd in (ecmp.fd("spray"), bench.fds["bench_spray"]):
+    for fd in [ecmp.fd("spray"), bench.fds["bench_spray"]] + [dps["conns%d" % n].fd("spray")
+                                                              for n in scale_ns(dps)]:
         prog_test_run(fd, tx_data(PAYLOAD_SMALL), ifindex=ifx_fab)
     f = sack(SackM.NONE)
     add(Run(C_SACK, ecmp.fd("ingress"), f, ifx_p0, XDP_REDIRECT, check=same_len(f),
             counter=(ecmp, "ING_SACK")))
+    for n in scale_ns(dps):
+        dp = dps["conns%d" % n]
+        add(Run(C_SCALE["sack"] % n, dp.fd("ingress"), f, ifx_p0, XDP_REDIRECT, check=same_len(f),
+                counter=(dp, "ING_SACK")))
     # Every other bit set over the 64 PSNs before PSN: the loss scan visits 31 positions
     # and looks up the PSN ring for the 15 holes; none was sent (no PSN recorded there),
     # so no loss is attributed and nothing changes between repetitions: the scan is the
@@ -741,6 +803,10 @@ def derive(runs, probe, small_repeat, rounds):
         row(C_DECAP, "ingress", "copy", sub(w, rr),
             "bench_ingress_decap %.1f - R %.1f" % (med(w), med(rr)))
     row(C_ING6, "ingress", "direct", v[C_ING6])
+    for key, group in SCALE_GROUP.items():
+        for name in sorted((k for k in v if re.fullmatch(C_SCALE[key].replace("%d", "[0-9]+"), k)),
+                           key=lambda k: int(k.split(", ")[-1].split()[0])):
+            row(name, group, "copy" if "miss" in key else "direct", v[name])
     row(C_FWD, "floor", "direct", v[C_FWD])
     return rows
 
@@ -778,7 +844,16 @@ def summarize(runs, rows, rounds, args, small_repeat, info, probe):
                          "ratio_min": min(ratio), "ratio_max": max(ratio), "budget_ok": ok,
                          "ratio_fwd": med(rf), "ratio_fwd_min": min(rf), "ratio_fwd_max": max(rf),
                          "formula": comp})
-    return {"tool": "tools/bench_xdp.py", "system": info, "repeat": args.repeat,
+    scale = []
+    if args.conns:
+        vals = {r.key: r.vals for r in runs.values()}
+        for key in C_SCALE:
+            few, many = vals[C_SCALE[key] % SCALE_FEW], vals[C_SCALE[key] % args.conns]
+            rr = [m / f for m, f in zip(many, few)]      # per round: the same round's two
+            scale.append({"case": C_SCALE[key].replace(", %d conns", "") + (" *" if "miss" in key else ""), "few": SCALE_FEW,
+                          "many": args.conns, "ns_few": med(few), "ns_many": med(many),
+                          "ratio": med(rr), "ratio_min": min(rr), "ratio_max": max(rr)})
+    return {"tool": "tools/bench_xdp.py", "system": info, "repeat": args.repeat, "scale": scale,
             "small_repeat": small_repeat, "rounds": args.rounds,
             "budget": None if args.no_budget else args.budget, "baseline": base, "cases": out_rows,
             "aux_ns": {k: med(r.vals) for k, r in runs.items() if k not in rows},
@@ -818,6 +893,14 @@ def print_table(s):
         for r in s["cases"]:
             if r["formula"]:
                 print("    %s = %s" % (r["name"], r["formula"]))
+    for sc in s.get("scale", []):
+        print("%s: %d conns / %d conns = %.3f (per round %.3f..%.3f; %.1f vs %.1f ns)"
+              % (sc["case"], sc["many"], sc["few"], sc["ratio"], sc["ratio_min"], sc["ratio_max"],
+                 sc["ns_many"], sc["ns_few"]))
+    if s.get("scale"):
+        print("(* repeat-safe copies of spray / ingress that forget the per-CPU connection cache "
+              "first, so the connection is found through the mrc_connidx hash every time)")
+        print()
     if s["budget"] is not None:
         bad = [r for r in s["cases"] if r["budget_ok"] is False]
         if bad:
@@ -846,9 +929,16 @@ def parse_args(argv):
     ap.add_argument("--compare-single", action="store_true",
                     help="also time spray and ingress (ECMP, 1 KB and 64 B) on the single-buffer "
                          "programs (MRC_XDP_FRAGS=0) in the same rounds: the cost of frags support")
+    ap.add_argument("--conns", type=int, default=1024,
+                    help="also time spray, ingress data and SACK (ECMP, 1 KB) on two more datapaths "
+                         "holding %d and N connections, in the same rounds (default 1024 = "
+                         "MRC_MAX_CONNS; 0: not)" % SCALE_FEW)
     a = ap.parse_args(argv)
     if a.repeat < 1000 or a.rounds < 1:
         ap.error("--repeat must be >= 1000 and --rounds >= 1")
+    from mrc_xdp.datapath.shared import const
+    if a.conns and not SCALE_FEW < a.conns <= const("MRC_MAX_CONNS"):
+        ap.error("--conns must be 0 or %d..%d (MRC_MAX_CONNS)" % (SCALE_FEW + 1, const("MRC_MAX_CONNS")))
     return a
 
 
@@ -881,6 +971,14 @@ def main(argv=None) -> int:
         if args.compare_single:
             dps["single"] = loader.build(frags="off")
             objs.append(dps["single"])
+        if args.conns:
+            say("compiling: datapaths (ECMP) for %d and %d connections" % (SCALE_FEW, args.conns))
+            for n in (SCALE_FEW, args.conns):   # the real programs and the cache-miss copies
+                cfgs["conns%d" % n] = host_config("ecmp", n)
+                b = Bench()
+                b.dp.bench_fds = b.fds
+                dps["conns%d" % n] = b.dp
+                objs.append(b.dp)
         bench = Bench()
         objs.append(bench.dp)
         say("creating netns %s (veths mrc0/mrc0p, p0/q0, p1/q1)" % ns)
@@ -888,7 +986,11 @@ def main(argv=None) -> int:
         with netns.enter(ns):
             dev, ifx = dev_info()
             for mode in dps:
+                t0 = time.monotonic()
                 dps[mode].configure(cfgs.get(mode, cfgs["ecmp"]), dev)
+                if mode.startswith("conns"):
+                    say("%d connections configured in %.1f s" % (len(cfgs[mode].connections),
+                                                                 time.monotonic() - t0))
             bench.dp.configure(cfgs["srv6"], dev)
             ring = Rings([dps["ecmp"], bench.dp])
             probe = probe_reset(dps["srv6"], ifx["mrc0p"], ifx["p0"], cfgs["srv6"].planes[0].local_sid)

@@ -61,6 +61,9 @@ int bpf_map_lookup_elem(int fd, const void *key, void *value);
 int bpf_map_update_elem(int fd, const void *key, const void *value, uint64_t flags);
 int bpf_map_delete_elem(int fd, const void *key);
 int bpf_map_get_next_key(int fd, const void *key, void *next_key);
+int bpf_map_update_batch(int fd, const void *keys, const void *values, uint32_t *count, const void *opts);
+int bpf_map_lookup_batch(int fd, void *in_batch, void *out_batch, void *keys, void *values,
+                         uint32_t *count, const void *opts);
 int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
 int libbpf_num_possible_cpus(void);
 int bpf_map_create(int map_type, const char *map_name, uint32_t key_size, uint32_t value_size,
@@ -344,6 +347,45 @@ class Map:
     def clear(self):
         for k in list(self.keys()):
             self.delete(k)
+
+    def zero_range(self, start: int, n: int) -> None:
+        """Write zeros to the n entries of an array map from index start, in one
+        BPF_MAP_UPDATE_BATCH (Linux 5.6+; entry by entry where it is refused)."""
+        if n <= 0:
+            return
+        keys = ffi.new("uint32_t[]", list(range(start, start + n)))
+        vals = ffi.new("unsigned char[]", self._vbuf_len * n)
+        cnt = ffi.new("uint32_t *", n)
+        if lib.bpf_map_update_batch(self.fd, keys, vals, cnt, ffi.NULL) == 0 and cnt[0] == n:
+            return
+        zero = bytes(self.value_size)
+        for k in range(start, start + n):
+            self.update(k, zero)
+
+    def keys_batch(self, chunk: int = 4096) -> list[bytes]:
+        """Every key of a hash map, read with BPF_MAP_LOOKUP_BATCH (chunk entries per call;
+        falls back to keys() where the kernel refuses it): one system call per chunk
+        instead of one per key."""
+        out: list[bytes] = []
+        tok_in, tok_out = ffi.new("uint64_t *"), ffi.new("uint64_t *")   # the hash's bucket cursor
+        keys = ffi.new("unsigned char[]", self.key_size * chunk)
+        vals = ffi.new("unsigned char[]", self._vbuf_len * chunk)
+        first = True
+        while True:
+            cnt = ffi.new("uint32_t *", chunk)
+            rc = lib.bpf_map_lookup_batch(self.fd, ffi.NULL if first else tok_in, tok_out, keys, vals,
+                                          cnt, ffi.NULL)
+            e = 0 if rc >= 0 else (-rc if rc != -1 else ffi.errno)
+            if rc < 0 and e != errno.ENOENT:
+                if first:
+                    return list(self.keys())
+                _check(rc, "lookup batch %s" % self.name)
+            raw = bytes(ffi.buffer(keys, self.key_size * cnt[0]))
+            out += [raw[i:i + self.key_size] for i in range(0, len(raw), self.key_size)]
+            if e == errno.ENOENT:
+                return out
+            tok_in[0] = tok_out[0]
+            first = False
 
 
 def sum_u64_percpu(values, nfields: int = 1):

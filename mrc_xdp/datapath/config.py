@@ -60,6 +60,13 @@ class ConfigError(ValueError):
     """Invalid configuration; str() is one line naming the key."""
 
 
+def backup_max(nplanes: int) -> int:
+    """Backup EVs per plane at most: MRC_BACKUP_PER_PLANE_MAX, and all planes' backups fit
+    the backup slots [MRC_EV_ACTIVE_MAX, MRC_EV_SLOTS)."""
+    room = (const("MRC_EV_SLOTS") - const("MRC_EV_ACTIVE_MAX")) // max(1, nplanes)
+    return min(const("MRC_BACKUP_PER_PLANE_MAX"), room)
+
+
 def _ipv6(v, key, unicast=False) -> str:
     return V.ipv6_addr(v, key, ConfigError, unicast)
 
@@ -314,7 +321,7 @@ class HostConfig:
                 ev_per_plane=_int(c.get("ev_per_plane", 8), k + ".ev_per_plane", 1,
                                   const("MRC_EV_ACTIVE_MAX") // np_),
                 backup_per_plane=_int(c.get("backup_per_plane", 4), k + ".backup_per_plane", 0,
-                                      const("MRC_BACKUP_PER_PLANE_MAX")),
+                                      backup_max(np_)),
                 t1s=_int(c.get("t1s", 1), k + ".t1s", 1, 255),
             )
             conn.name = _str(c["name"], k + ".name") if "name" in c else \

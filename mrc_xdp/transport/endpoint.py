@@ -284,6 +284,26 @@ class MR:
 
 # -------------------------------------------------------------------- queue pair
 
+def _drop_conns(instance: str, qps) -> None:
+    """Remove the datapath connections these QPs added in connect() (one QP: conns.remove;
+    more: conns.remove_many, one lock, one sweep and one state write for all)."""
+    items = []
+    for qp in qps:
+        peer, qp._conn = getattr(qp, "_conn", None), None
+        if peer:
+            items.append((peer, qp.qpn))
+    if not items:
+        return
+    from mrc_xdp.transport import conns
+    try:
+        if len(items) == 1:
+            conns.remove(instance, *items[0])
+        else:
+            conns.remove_many(instance, items)
+    except (conns.ConnError, maps.NotLoaded, OSError):
+        pass       # already removed, or the datapath was unloaded
+
+
 class QP:
     """A reliable connection to one peer QP.  Create with Endpoint.create_qp()."""
 
@@ -332,13 +352,7 @@ class QP:
         self._conn = remote["addr"]
 
     def _drop_conn(self) -> None:
-        peer, self._conn = getattr(self, "_conn", None), None
-        if peer:
-            from mrc_xdp.transport import conns
-            try:
-                conns.remove(self._ep.instance, peer, self.qpn)
-            except (conns.ConnError, maps.NotLoaded, OSError):
-                pass       # already removed, or the datapath was unloaded
+        _drop_conns(self._ep.instance, [self])
 
     def post_write(self, wr_id: int, mr: MR, offset: int, length: int, remote_addr: int,
                    rkey: int, imm: int | None = None) -> None:
@@ -729,8 +743,7 @@ class Endpoint:
         for mr in self._mrs:        # the progress thread is gone: nothing reads or writes them
             mr._release()
         self._mrs.clear()
-        for qp in qps:
-            qp._drop_conn()
+        _drop_conns(self.instance, qps)
 
     def __enter__(self):
         return self

@@ -434,6 +434,8 @@ struct mrc_eng {
 	/* QPs, MRs */
 	struct qp *qph[QP_HASH];
 	struct qp *qps;              /* all QPs, a list */
+	struct qp *tx_next;          /* round-robin: the QP the next TX round starts with (the
+	                              * first one the last round left waiting for TX frames) */
 	uint32_t nqps, next_qpn;
 	struct mr *mrs;
 	uint32_t nmrs, cap_mrs;
@@ -742,6 +744,8 @@ int mrc_eng_qp_destroy(struct mrc_eng *e, uint32_t qpn)
 		return -ENOENT;
 	}
 	*pp = q->hnext;
+	if (e->tx_next == q)
+		e->tx_next = NULL;
 	if (q->prev)
 		q->prev->next = q->next;
 	else
@@ -2281,13 +2285,16 @@ static int spin_found(struct mrc_eng *e, unsigned posts_seen, uint64_t next, int
 
 /* One round of the progress loop, under e->mu: RX batch, timers, TX, kicks.  Returns the
  * frames received and sent; *now, the time it used; *next lowered to the nearest timer;
- * *blocked set if a QP waits for TX frames.  The progress thread runs it, and so does a
- * caller spinning in mrc_eng_cq_wait when the RX ring has frames. */
+ * *blocked set if a QP waits for TX frames.  TX visits the QPs in turn (up to TX_BUDGET
+ * packets each), starting with the first one the last round left waiting for TX frames,
+ * so with 1024 QPs none waits behind the same others every round.  The progress thread
+ * runs it, and so does a caller spinning in mrc_eng_cq_wait when the RX ring has frames. */
 static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int *blocked, int *more)
 {
 	int work, rx;
 	uint64_t now;
-	struct qp *q;
+	struct qp *q, *first;
+	uint32_t i;
 
 	e->st.loops++;
 	rx = rx_batch(e);
@@ -2296,13 +2303,18 @@ static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int 
 	*nowp = now = now_ns();
 	for (q = e->qps; q; q = q->next)
 		qp_timers(e, q, now, next, rx == RX_BATCH);
-	for (q = e->qps; q; q = q->next) {
+	first = e->tx_next ? e->tx_next : e->qps;
+	e->tx_next = NULL;
+	for (q = first, i = 0; q && i < e->nqps; q = q->next ? q->next : e->qps, i++) {
 		work += qp_tx(e, q, now);
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail))
 			*more = 1;
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
-		    e->n_tx_free < e->tx_fpp)
+		    e->n_tx_free < e->tx_fpp) {
 			*blocked = 1;
+			if (!e->tx_next)
+				e->tx_next = q;
+		}
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
 		    cc_paced(e, q, now) && q->pace_ns < *next)
 			*next = q->pace_ns;      /* paced: wake when the next packet may go */
