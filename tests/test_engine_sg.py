@@ -495,3 +495,19 @@ def test_bootstrap_negotiates_payload():
             assert st["tx_pkts"] - st["rtx_pkts"] == 20 * (1 << 20) // want, (want, st)
     finally:
         gen.close()
+
+
+def test_status_shows_the_path(env):
+    """`mrc-xdp status` (another process) shows which path each endpoint's QPs took, from
+    the counters every Endpoint publishes; --json has it as engine_path."""
+    A, B = env.eps(None)
+    qa, qb = ep_.connect(A, B, 1)
+    try:
+        A.publish()
+        out = ep_.cli("status", "-i", env.pair.ia).stdout
+        assert "engine multi-buffer (XDP_USE_SG, 2 frames per packet" in out, out
+        js = json.loads(ep_.cli("status", "-i", env.pair.ia, "--json").stdout)
+        assert any(q["qpn"] == qa.qpn and q["engine_path"].startswith("multi-buffer") for q in js[0]["qps"]), js
+    finally:
+        qa.destroy()
+        qb.destroy()

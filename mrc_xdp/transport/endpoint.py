@@ -802,7 +802,7 @@ class _Publisher:
             if self.closed or self.ep._e is None:
                 return
             doc = {"instance": self.ep.instance, "pid": os.getpid(), "cmd": self.cmd,
-                   "time": time.time(), "qps": self.ep.qp_stats()}
+                   "time": time.time(), "qps": self.ep.qp_stats(), "path": self.ep.path}
             os.makedirs(self.dir, exist_ok=True)
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
@@ -892,7 +892,8 @@ def published_qps(instance: str | None = None) -> list[dict]:
                 continue
             for q in doc.get("qps", []):
                 out.append(dict(q, instance=doc.get("instance", inst), pid=pid, cmd=doc.get("cmd", ""),
-                                age_s=round(time.time() - doc.get("time", 0), 1)))
+                                age_s=round(time.time() - doc.get("time", 0), 1),
+                                engine_path=doc.get("path", "")))
         _rmdir_if_empty(d)
     return out
 
