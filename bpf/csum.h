@@ -104,28 +104,30 @@ static __always_inline int icrc_update_sport(struct xdp_md *ctx, struct mrc_pkt 
 	delta = icrc_delta(row, old_sport ^ new_sport);
 	off = p->udp_off + p->udp_len - MRC_ICRC_LEN;
 	mrc_barrier_var(off);           /* keep this check: see mrc_barrier_var */
-	if (off > 0x3FFF)
-		return -1;
-	trailer = data + off;
-	if ((void *)(trailer + 1) > data_end) {
-#if MRC_FRAGS
-		if (!p->frags || bpf_xdp_load_bytes(ctx, off, &old, MRC_ICRC_LEN))
-			return -1;
-		v = icrc_apply(old, delta);
-		udp_csum_trailer(udp, p, old, v);   /* before the store: udp stays valid */
-		if (bpf_xdp_store_bytes(ctx, off, &v, MRC_ICRC_LEN))
-			return -1;
-		*in_frag = 1;
-		return 0;
-#else
-		return -1;
-#endif
+	if (off <= 0x3FFF) {            /* (direct access: a bounded offset) */
+		trailer = data + off;
+		if ((void *)(trailer + 1) <= data_end) {
+			old = v = *trailer;
+			v = icrc_apply(v, delta);
+			*trailer = v;
+			udp_csum_trailer(udp, p, old, v);
+			return 0;
+		}
 	}
-	old = v = *trailer;
-	v = icrc_apply(v, delta);
-	*trailer = v;
-	udp_csum_trailer(udp, p, old, v);
+#if MRC_FRAGS
+	/* beyond the linear part: any offset the frame has (a 32 KiB payload's trailer lies
+	 * past 16 KiB, which direct access does not reach) */
+	if (!p->frags || bpf_xdp_load_bytes(ctx, off, &old, MRC_ICRC_LEN))
+		return -1;
+	v = icrc_apply(old, delta);
+	udp_csum_trailer(udp, p, old, v);   /* before the store: udp stays valid */
+	if (bpf_xdp_store_bytes(ctx, off, &v, MRC_ICRC_LEN))
+		return -1;
+	*in_frag = 1;
 	return 0;
+#else
+	return -1;
+#endif
 }
 
 #endif

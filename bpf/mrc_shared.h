@@ -21,7 +21,7 @@
 #define MRC_PSN_RING         1024   /* PSN -> EV ring per connection */
 #define MRC_MAX_TMPL         256    /* SRv6 row templates */
 #define MRC_USID_MAX         6      /* uSIDs in one F3216 address */
-#define MRC_ICRC_TBL_LEN     9216   /* ICRC update rows: udp_len - 6 < this */
+#define MRC_ICRC_TBL_LEN     32832  /* ICRC update rows: udp_len - 6 < this (a 32 KiB payload) */
 #define MRC_RXEV_MAX         16384  /* receiver-side per-EV counters (LRU): 16 x MRC_MAX_CONNS */
 #define MRC_LOSS_BATCH       2      /* losses attributed per SACK at most */
 #define MRC_FB_WINDOW        32768  /* feedback: cack and bitmap base at most this far behind

@@ -23,6 +23,9 @@ SID_HOST = {"a": 0x0A00, "b": 0x0B00}                     # SRv6 mode: uSID of e
 PLANE_IFINDEX = {"a": 3100, "b": 3200}                    # + plane number
 CLI = [sys.executable, "-m", "mrc_xdp.cli"]
 MTU = 3506        # the largest MTU veth accepts with a native XDP program here (measured, kernel 6.18)
+# ... without frags support; the frags-aware programs (docs/datapath.md "Multi-buffer frames")
+# lift it, but only once they are attached: a larger MTU is set after the load
+MTU_IB = 4200     # mrc0's MTU for a 4096-byte payload (+ 88 bytes of headers, rounded up)
 
 
 def sh(ns, cmd):
@@ -63,7 +66,9 @@ def host_toml(inst, local, peer, conns, gw_macs, mode="ecmp", extra="", me="a", 
 class Pair:
     def __init__(self, tmp_dir: str, mtu: int = MTU, extra: str = "", mode: str = "ecmp"):
         """extra: top-level host config lines (e.g. "loss_thresh = 1000000").  mtu: the
-        plane veths'; mrc0 gets 40 bytes less in srv6 mode (room for the outer header)."""
+        plane veths'; mrc0 gets 40 bytes less in srv6 mode (room for the outer header).
+        An mtu above MTU needs the frags-aware programs: the veths are made at MTU, the
+        datapath loaded (attached), then every MTU raised."""
         self.mode = mode
         tag = "%x%s" % (os.getpid(), os.urandom(2).hex())
         self.a, self.b = "mrceA-" + tag, "mrceB-" + tag
@@ -77,14 +82,16 @@ class Pair:
     def up(self):
         for n in (self.a, self.b):
             netns.create(n)
+        mtu0 = min(self.mtu, MTU)          # at creation: what native XDP takes without frags
+        app0 = mtu0 - (self.mtu - self.app_mtu)
         for n in (self.a, self.b):
             sh(n, "ip link set lo up; ip link add mrc0 mtu %d type veth peer name mrc0p mtu %d; "
-                  "ip link set mrc0 up; ip link set mrc0p up" % (self.app_mtu, self.app_mtu))
+                  "ip link set mrc0 up; ip link set mrc0p up" % (app0, app0))
         for k, p in enumerate(("p0", "p1")):
             # ifindexes unique across both namespaces: the link model keys its maps by them
             subprocess.run(["ip", "link", "add", p, "index", str(PLANE_IFINDEX["a"] + k), "netns", self.a,
-                            "mtu", str(self.mtu), "type", "veth", "peer", "name", p, "index",
-                            str(PLANE_IFINDEX["b"] + k), "netns", self.b, "mtu", str(self.mtu)], check=True)
+                            "mtu", str(mtu0), "type", "veth", "peer", "name", p, "index",
+                            str(PLANE_IFINDEX["b"] + k), "netns", self.b, "mtu", str(mtu0)], check=True)
             sh(self.a, "ip link set %s up" % p)
             sh(self.b, "ip link set %s up" % p)
         ta, tb = os.path.join(self.tmp, "a.toml"), os.path.join(self.tmp, "b.toml")
@@ -109,7 +116,17 @@ class Pair:
                 errs.append("mrc-xdp load %s failed (%d): %s%s" % (inst, pr.returncode, out, err))
         if errs:
             raise AssertionError("; ".join(errs))
+        if self.mtu > mtu0:
+            self.raise_mtu()
         return self
+
+    def raise_mtu(self):
+        """Every veth to the pair's MTUs (plane links mtu, mrc0/mrc0p app_mtu), the
+        programs attached: veth takes an MTU above 3506 only from a frags-aware program's
+        peer, and only once it is attached."""
+        for n in (self.a, self.b):
+            sh(n, "ip link set p0 mtu %d; ip link set p1 mtu %d; ip link set mrc0p mtu %d; "
+                  "ip link set mrc0 mtu %d" % (self.mtu, self.mtu, self.app_mtu, self.app_mtu))
 
     def load(self, side):
         inst, toml, ns = (self.ia, self.ta, self.a) if side == "a" else (self.ib, self.tb, self.b)

@@ -23,8 +23,9 @@ def _mac(ns, dev):
     return json.loads(_ip(ns, "-j", "link", "show", dev).stdout)[0]["address"]
 
 
-def make_pair(tag_prefix="pf"):
-    """Generator for a module fixture: yields {"a": ns A (= instance A), "b": ns B}."""
+def make_pair(tag_prefix="pf", mtu=MTU):
+    """Generator for a module fixture: yields {"a": ns A (= instance A), "b": ns B}.  An mtu
+    above MTU is set once the (frags-aware) programs are attached."""
     tag = "%x%s" % (os.getpid() & 0xffff, uuid.uuid4().hex[:4])
     a, b = tag_prefix + "A-" + tag, tag_prefix + "B-" + tag
     made = []
@@ -46,6 +47,10 @@ def make_pair(tag_prefix="pf"):
                 "instance": inst, "mode": "ecmp", "local_addr": me,
                 "planes": [{"dev": "p%d" % i, "gateway_mac": _mac(other, "p%d" % i)} for i in range(2)]}),
                 netns_name=ns)
+        if mtu > MTU:
+            for n in (a, b):
+                for d in ("p0", "p1", "mrc0p", "mrc0"):
+                    _ip(n, "link", "set", d, "mtu", str(mtu))
         yield {"a": a, "b": b}
     finally:
         for n in made:

@@ -264,15 +264,17 @@ class Pair:
         self.made = []
 
     def up(self):
+        # native XDP on veth takes an MTU above 3506 only from a frags-aware program, once
+        # it is attached: made at most 3506, loaded, then raised
+        m0 = str(min(self.mtu, 3506))
         for n in (self.a, self.b):
             netns.create(n)
             self.made.append(n)
             ip(n, "link", "set", "lo", "up")
-            ip(n, "link", "add", "mrc0", "mtu", str(self.mtu), "type", "veth", "peer", "name", "mrc0p",
-               "mtu", str(self.mtu))
+            ip(n, "link", "add", "mrc0", "mtu", m0, "type", "veth", "peer", "name", "mrc0p", "mtu", m0)
         for p in ("p0", "p1"):
-            ip(self.a, "link", "add", p, "mtu", str(self.mtu), "type", "veth", "peer", "name", p,
-               "netns", self.b, "mtu", str(self.mtu))
+            ip(self.a, "link", "add", p, "mtu", m0, "type", "veth", "peer", "name", p,
+               "netns", self.b, "mtu", m0)
         for n in (self.a, self.b):
             for d in ("mrc0", "mrc0p", "p0", "p1"):
                 ip(n, "link", "set", d, "up")
@@ -294,6 +296,10 @@ class Pair:
                 "planes": [{"dev": "p%d" % i, "gateway_mac": m} for i, m in enumerate(gws)]})
         loader.load(cfg(self.ia, self.A_ADDR, self.B_ADDR, [mac(self.b, "p0"), mac(self.b, "p1")]), netns_name=self.a)
         loader.load(cfg(self.ib, self.B_ADDR, self.A_ADDR, [mac(self.a, "p0"), mac(self.a, "p1")]), netns_name=self.b)
+        if self.mtu > int(m0):
+            for n in (self.a, self.b):
+                for d in ("p0", "p1", "mrc0p", "mrc0"):
+                    ip(n, "link", "set", d, "mtu", str(self.mtu))
         # the engines reach each other's MRC address through mrc0 (spray); the kernel
         # needs a neighbour entry for it (the datapath rewrites the MACs anyway)
         for ns, peer in ((self.a, self.B_ADDR), (self.b, self.A_ADDR)):
@@ -321,9 +327,9 @@ POINT_MTUS = (1500, 3506, 4184, 9000, 16000, 65000)
 def point_mtu(payload: int) -> int:
     """The MTU of part (a)'s pair for an MRC payload: the smallest of POINT_MTUS whose
     default payload (mrc_xdp.transport.default_payload) is at least it."""
-    from mrc_xdp.transport import default_payload
+    from mrc_xdp.transport.endpoint import MAX_PAYLOAD, default_payload
     for m in POINT_MTUS:
-        if default_payload(m) >= payload:
+        if default_payload(m, MAX_PAYLOAD) >= payload:
             return m
     raise ValueError("payload %d: larger than any MTU part (a) knows (%d)" % (payload, POINT_MTUS[-1]))
 

@@ -165,9 +165,10 @@ def cmd_status(args):
                 c.get("spray_tx", 0), c.get("ing_rx", 0), c.get("ing_to_engine", 0),
                 sum(v for k, v in c.items() if k.startswith("bad_"))))
             for q in s.get("qps", []):
-                print("  qp %#x  pid %d %s: %s, sent %d pkts (%d resent), received %d, srtt %.0f us, cwnd %d B" % (
+                print("  qp %#x  pid %d %s: %s, sent %d pkts (%d resent), received %d, srtt %.0f us, cwnd %d B%s" % (
                     q["qpn"], q["pid"], q.get("cmd", ""), q.get("state_name", "?"), q["tx_pkts"], q["rtx_pkts"],
-                    q["rx_pkts"], q["srtt_ns"] / 1000.0, q["cwnd"]))
+                    q["rx_pkts"], q["srtt_ns"] / 1000.0, q["cwnd"],
+                    "; engine " + q["engine_path"] if q.get("engine_path") else ""))
     _out(args, out, text)
 
 

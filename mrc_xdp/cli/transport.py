@@ -22,7 +22,8 @@ def _fmt_bw(r: dict) -> str:
         line,
         " payload %d B/packet; sent %d packets, retransmitted %d (timeout %d, SACK %d, NACK trim %d)" % (
             r["payload"], r["qp_stats"]["tx_pkts"], r["qp_stats"]["rtx_pkts"], r["qp_stats"]["rtx_timeout"],
-            r["qp_stats"]["rtx_sack"], r["qp_stats"]["rtx_nack_trim"])])
+            r["qp_stats"]["rtx_sack"], r["qp_stats"]["rtx_nack_trim"])]
+        + ([" engine: " + r["path"]] if r.get("path") else []))
 
 
 def _fmt_lat(r: dict) -> str:

@@ -423,6 +423,36 @@ def _noop(msg: str) -> None:
     pass
 
 
+# Native XDP on a veth takes a peer MTU above this only from a program loaded with
+# BPF_F_XDP_HAS_FRAGS, and only once it is attached (docs/datapath.md "Multi-buffer frames").
+XDP_SINGLE_MAX_MTU = 3506
+
+
+def creation_mtus(topo: Topology) -> tuple[int, int]:
+    """The MTUs the lab's veths are made with (fabric links, mrc0/mrc0p): the topology's,
+    or at most XDP_SINGLE_MAX_MTU (the app side as far below as in the topology) when
+    larger: raise_mtus sets the topology's once the programs are attached."""
+    mtu0 = min(topo.mtu, XDP_SINGLE_MAX_MTU)
+    return mtu0, min(topo.app_mtu, mtu0 - (topo.mtu - topo.app_mtu))
+
+
+def raise_mtus(topo: Topology, iprs: dict) -> None:
+    """Every fabric link end to topo.mtu and every host's mrc0/mrc0p to topo.app_mtu; a
+    veth refuses (ERANGE/EINVAL) while its peer's XDP program is single-buffer."""
+    ends = [(e.node, e.ifname) for lk in topo.links for e in (lk.a, lk.b)]
+    ends += [(h.name, d) for h in topo.hosts for d in ("mrc0p", "mrc0")]
+    for node, dev in ends:
+        ipr = iprs[node]
+        mtu = topo.app_mtu if dev in ("mrc0", "mrc0p") else topo.mtu
+        try:
+            ipr.link("set", index=ipr.link_lookup(ifname=dev)[0], mtu=mtu)
+        except Exception as e:      # pyroute2's NetlinkError (ERANGE / EINVAL)
+            raise LabError("%s %s: MTU %d refused (%s): above %d a veth needs the frags-aware XDP "
+                           "programs (MRC_XDP_FRAGS auto or 1, Linux 5.18+); this lab loaded the "
+                           "single-buffer ones, so keep mtu at most %d"
+                           % (node, dev, mtu, e, XDP_SINGLE_MAX_MTU, XDP_SINGLE_MAX_MTU)) from None
+
+
 def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=None) -> dict:
     """Build the lab; returns its state.  Raises LabAlreadyUp if it is running.
 
@@ -489,12 +519,13 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
         progress("  %d namespaces (%s*)  %.2fs" % (len(nodes), prefix, time.monotonic() - t))
 
         t = time.monotonic()
+        mtu0, app0 = creation_mtus(topo)
         for lk in topo.links:
             a, b = lk.a, lk.b
-            _create_veth(iprs[a.node], a.ifname, a.ifindex, a.mac, topo.mtu,
+            _create_veth(iprs[a.node], a.ifname, a.ifindex, a.mac, mtu0,
                          b.ifname, b.ifindex, b.mac, fds[b.node])
         for h in topo.hosts:
-            _create_veth(iprs[h.name], "mrc0", h.app_ifindex, _mrc0_mac(h), topo.app_mtu,
+            _create_veth(iprs[h.name], "mrc0", h.app_ifindex, _mrc0_mac(h), app0,
                          "mrc0p", h.fab_ifindex, _mrc0p_mac(h), None)
         execs = {node: NetnsNode(node, ns) for node, ns in nodes.items()}
         for node in topo.nodes:
@@ -530,6 +561,11 @@ def up(topo: Topology, prefix: str = DEFAULT_PREFIX, progress=_noop, hosts_hook=
             t = time.monotonic()
             state["hosts"] = hosts_hook(topo, prefix, state, progress)
             progress("  host datapaths  %.2fs" % (time.monotonic() - t))
+        if (mtu0, app0) != (topo.mtu, topo.app_mtu):
+            t = time.monotonic()
+            raise_mtus(topo, iprs)
+            progress("  MTUs raised to %d (mrc0 %d), the frags-aware programs attached  %.2fs"
+                     % (topo.mtu, topo.app_mtu, time.monotonic() - t))
         state["complete"] = True     # (only now: a crash before leaves an incomplete record)
         state["up_s"] = round(time.monotonic() - t_start, 3)
         _write_state(state)

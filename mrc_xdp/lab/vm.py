@@ -311,6 +311,9 @@ def plan(topo: Topology, prefix: str, base_port: int | None = None) -> dict:
     endpoint (guest port GUEST_METRICS_PORT, when something serves it there: the fleet
     role) from base+2L+N+j (QEMU runner only), so a Prometheus on this machine scrapes
     the guests."""
+    if topo.mtu > fabric.XDP_SINGLE_MAX_MTU:
+        raise VmError("the VM lab keeps its MTUs at most %d (mtu %d): raising them after the load "
+                      "is done for the netns lab only" % (fabric.XDP_SINGLE_MAX_MTU, topo.mtu))
     nlinks = len(topo.links)
     base = base_port if base_port is not None else _ports(prefix, 2 * nlinks + len(topo.nodes) + len(topo.hosts))
     link_idx = {lk.name: k for k, lk in enumerate(topo.links)}

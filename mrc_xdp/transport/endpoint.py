@@ -51,6 +51,16 @@ SIOCGIFMTU = 0x8921
 DATA_OVERHEAD = 88
 PAYLOAD_ALIGN = 64          # the default payload is rounded down to this
 TSETH_LEN = 4               # more per packet with timestamps=1
+# The default payload is at most InfiniBand's largest path MTU (what MRC NICs use); larger
+# payloads (8, 16, 32 KiB ...) are a per-endpoint option (Endpoint(mtu=...)) where the path's
+# MTU allows them.  A payload larger than one UMEM frame holds goes as a multi-buffer packet
+# (AF_XDP XDP_USE_SG, Linux 6.6+): see engine.h `sg`.
+IB_PAYLOAD = 4096
+FRAME_SIZE = 4096           # engine.h: the UMEM frame (opts.frame_size default)
+RX_HEADROOM = 256           # engine.h MRC_ENG_RX_HEADROOM: an RX frame holds FRAME_SIZE - this
+ETH_LEN = 14
+SG_AUTO, SG_OFF, SG_ON = 0, 1, 2     # engine.h MRC_ENG_SG_*
+MAX_PAYLOAD = 65472         # an IPv6 packet of at most 65535 bytes, rounded down to 64
 
 
 class TransportError(RuntimeError):
@@ -130,9 +140,17 @@ def _dev_mtu(ns, dev) -> int:
             dev, " in netns %s" % ns if ns else "")) from None
 
 
-def default_payload(mtu: int) -> int:
-    """Payload bytes per data packet for an app_dev MTU (IPv6 packet size)."""
-    return max(PAYLOAD_ALIGN, (mtu - DATA_OVERHEAD) // PAYLOAD_ALIGN * PAYLOAD_ALIGN)
+def default_payload(mtu: int, cap: int = IB_PAYLOAD) -> int:
+    """Payload bytes per data packet for an app_dev MTU (IPv6 packet size): the largest
+    multiple of 64 the MTU allows, at most cap (IB_PAYLOAD, 4096)."""
+    return max(PAYLOAD_ALIGN, min(cap, (mtu - DATA_OVERHEAD) // PAYLOAD_ALIGN * PAYLOAD_ALIGN))
+
+
+def single_frame_payload(timestamps: bool = False) -> int:
+    """The largest payload (a multiple of 64) whose frame fits one UMEM RX frame: above
+    it a packet is multi-buffer (engine.c single_frame_payload)."""
+    over = ETH_LEN + DATA_OVERHEAD + (TSETH_LEN if timestamps else 0)
+    return (FRAME_SIZE - RX_HEADROOM - over) // PAYLOAD_ALIGN * PAYLOAD_ALIGN
 
 
 def local_addr(instance: str) -> str:
@@ -152,8 +170,66 @@ def local_addr(instance: str) -> str:
 
 # -------------------------------------------------------------------- memory region
 
+class _UmemSpace:
+    """The memory-region space inside an endpoint's UMEM (engine.h umem_mr): first-fit
+    allocation in 4 KiB units; unmapped once nothing refers to it (the engine leaves it
+    mapped at close)."""
+    UNIT = 4096
+
+    def __init__(self, addr: int, length: int):
+        self.addr, self.length = addr, length
+        self.free_list = [(0, length)]
+        self.closed = False         # the engine is closed: nothing else uses the space
+
+    def alloc(self, size: int) -> int:
+        need = -(-max(1, size) // self.UNIT) * self.UNIT
+        for i, (off, n) in enumerate(self.free_list):
+            if n >= need:
+                self.free_list[i] = (off + need, n - need)
+                return off
+        raise TransportError("alloc_mr(%d): the UMEM's memory-region space (%d bytes) has no room: "
+                             "open the Endpoint with a larger umem_mr" % (size, self.length))
+
+    def free(self, off: int, size: int) -> None:
+        need = -(-max(1, size) // self.UNIT) * self.UNIT
+        merged = sorted(self.free_list + [(off, need)])
+        self.free_list = []
+        for o, n in merged:
+            if n and self.free_list and self.free_list[-1][0] + self.free_list[-1][1] == o:
+                self.free_list[-1] = (self.free_list[-1][0], self.free_list[-1][1] + n)
+            elif n:
+                self.free_list.append((o, n))
+
+    def __del__(self):
+        # only once the engine is closed (an endpoint dropped without close() keeps its
+        # engine, and the space stays: a leak, not a crash)
+        if self.closed and _munmap is not None:
+            _munmap(self.addr, self.length)
+
+
+def _libc_munmap():
+    import ctypes
+    try:
+        f = ctypes.CDLL(None, use_errno=True).munmap
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return f
+
+
+_munmap = _libc_munmap()
+
+
 class MR:
     """A registered memory region: .addr (VA), .length, .rkey (also the local key)."""
+
+    _umem = None            # alloc_mr: the UMEM space it lives in (kept mapped while this lives)
+    _umem_off = 0
+
+    @property
+    def buf(self) -> memoryview:
+        """The region's memory (regions from Endpoint.alloc_mr)."""
+        return memoryview(self._buf)
 
     def __init__(self, ep: "Endpoint", buf, access: int):
         ffi, lib = _engine()
@@ -192,6 +268,8 @@ class MR:
     def dereg(self) -> None:
         if self.registered and self._ep._e is not None:
             _engine()[1].mrc_eng_dereg_mr(self._ep._e, self.rkey)
+            if self._umem is not None:
+                self._umem.free(self._umem_off, self.length)
         self.registered = False
 
     def __enter__(self):
@@ -420,7 +498,8 @@ class CQ:
 _OPT_NAMES = ("ack_every", "ack_delay_us", "rto_min_us", "rto_max_us", "rto_bulk_us", "retry_limit",
               "loss_reorder", "window", "frames", "ring", "zero_copy", "timestamps", "dscp_data", "dscp_ctrl",
               "dscp_trimmed", "cc_init_cwnd", "cc_min_cwnd", "cc_max_cwnd", "cc_target_us",
-              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "ce_ack")
+              "cc_fair_inc", "cc_prop_gain", "cc_md_gamma", "cc_max_md", "cc_pace", "spin_us", "ce_ack",
+              "sg", "umem_mr", "tx_budget")
 SPIN_DEFAULT_US = 0         # engine.h MRC_ENG_SPIN_DEFAULT_US (off)
 SPIN_MAX_US = 10000         # engine.h MRC_ENG_SPIN_MAX_US
 SPIN_OFF = 0xFFFFFFFF       # engine.h MRC_ENG_SPIN_OFF: what spin_us=0 passes
@@ -489,9 +568,16 @@ class Endpoint:
         conns.reap(instance)          # connections of endpoints that died without closing
         self.dev = inst.state.get("app_dev", "mrc0")
         dev_mtu = _dev_mtu(self.netns, self.dev)
-        overhead = DATA_OVERHEAD + (TSETH_LEN if cc_params.get("timestamps") == 1 else 0)
+        ts = cc_params.get("timestamps") == 1
+        overhead = DATA_OVERHEAD + (TSETH_LEN if ts else 0)
+        sg = int(cc_params.get("sg", SG_AUTO))
         if mtu is None:
-            mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD)
+            # the path's largest, at most 4096; one frame's worth with multi-buffer off.  With
+            # sg auto the engine falls back to one frame's worth if the kernel refuses it
+            mtu = default_payload(dev_mtu - overhead + DATA_OVERHEAD,
+                                  single_frame_payload(ts) if sg == SG_OFF else IB_PAYLOAD)
+        elif mtu > single_frame_payload(ts) and "sg" not in cc_params:
+            cc_params["sg"] = SG_ON      # asked for: multi-buffer, or a clear error
         if mtu <= 0 or mtu % 4 or mtu + overhead > dev_mtu:
             raise TransportError("mtu %d: the payload must be a positive multiple of 4 and at most "
                                  "%d (%s MTU %d minus %d bytes of headers)" % (
@@ -524,6 +610,13 @@ class Endpoint:
         if self._e == ffi.NULL:
             self._e = None
             raise TransportError(ffi.string(err).decode(errors="replace"))
+        lib.mrc_eng_get_opts(self._e, o)
+        self.payload = int(o.payload)      # the single-buffer fallback may have lowered it
+        self._umem = None
+        if int(o.umem_mr):
+            a, n = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+            lib.mrc_eng_umem_mr(self._e, a, n)
+            self._umem = _UmemSpace(int(a[0]), int(n[0]))
         self._qps: dict[int, QP] = {}
         self._mrs: list[MR] = []
         self.cq = CQ(self)
@@ -535,6 +628,27 @@ class Endpoint:
         place (keep the buffer alive and unresized while registered)."""
         self._alive()
         mr = MR(self, buf, access)
+        self._mrs.append(mr)
+        return mr
+
+    def alloc_mr(self, size: int, access: int = ACCESS_LOCAL | ACCESS_REMOTE_WRITE) -> "MR":
+        """A memory region inside the UMEM (Endpoint(umem_mr=BYTES) sets its space aside):
+        Writes from it go without the engine's copy (the packet's payload descriptors point
+        at it).  mr.buf is its memory (a writable memoryview); it stays valid while the MR
+        or the endpoint's space is referenced.  Its space returns at dereg."""
+        ffi, _ = _engine()
+        self._alive()
+        if self._umem is None:
+            raise TransportError("alloc_mr: no memory-region space in the UMEM: open the "
+                                 "Endpoint with umem_mr=BYTES")
+        off = self._umem.alloc(size)
+        buf = ffi.buffer(ffi.cast("uint8_t *", self._umem.addr + off), size)
+        try:
+            mr = MR(self, buf, access)
+        except TransportError:
+            self._umem.free(off, size)
+            raise
+        mr._umem, mr._umem_off = self._umem, off
         self._mrs.append(mr)
         return mr
 
@@ -555,6 +669,29 @@ class Endpoint:
         d = _struct_dict(ffi, st)
         d["payload"] = self.payload
         return d
+
+    def _rx_inject(self, descs) -> int:
+        """Tests: run (bytes, contd) descriptors through the engine's receive path as one RX
+        batch (contd: XDP_PKT_CONTD, the packet goes on in the next one).  Returns the
+        descriptors consumed."""
+        ffi, lib = _engine()
+        self._alive()
+        bufs = [ffi.from_buffer(bytearray(b)) for b, _ in descs]
+        ptrs = ffi.new("uint8_t *[]", [ffi.cast("uint8_t *", b) for b in bufs])
+        lens = ffi.new("uint32_t[]", [len(b) for b, _ in descs])
+        opts = ffi.new("uint32_t[]", [lib.MRC_ENG_PKT_CONTD if c else 0 for _, c in descs])
+        return _check(lib.mrc_eng_rx_inject(self._e, ptrs, lens, opts, len(descs)), "rx_inject")
+
+    @property
+    def path(self) -> str:
+        """Which receive/send path the socket took: "multi-buffer" (bound with XDP_USE_SG,
+        a packet over several UMEM frames) or "single-buffer", with why."""
+        st = self.stats()
+        if st["sg"]:
+            return "multi-buffer (XDP_USE_SG, %d frames per packet on TX, %d on RX, payload %d)" % (
+                st["tx_frames_pkt"], st["rx_frames_pkt"], self.payload)
+        why = " (the kernel refused XDP_USE_SG: %s)" % os.strerror(st["sg_refused"]) if st["sg_refused"] else ""
+        return "single-buffer%s, payload %d" % (why, self.payload)
 
     def options(self) -> dict:
         """The engine options in force (defaults filled in)."""
@@ -601,6 +738,8 @@ class Endpoint:
             mr.registered = False
         e, self._e = self._e, None
         _engine()[1].mrc_eng_close(e)
+        if getattr(self, "_umem", None) is not None:
+            self._umem.closed = True
         for mr in self._mrs:        # the progress thread is gone: nothing reads or writes them
             mr._release()
         self._mrs.clear()
@@ -663,7 +802,7 @@ class _Publisher:
             if self.closed or self.ep._e is None:
                 return
             doc = {"instance": self.ep.instance, "pid": os.getpid(), "cmd": self.cmd,
-                   "time": time.time(), "qps": self.ep.qp_stats()}
+                   "time": time.time(), "qps": self.ep.qp_stats(), "path": self.ep.path}
             os.makedirs(self.dir, exist_ok=True)
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
@@ -753,7 +892,8 @@ def published_qps(instance: str | None = None) -> list[dict]:
                 continue
             for q in doc.get("qps", []):
                 out.append(dict(q, instance=doc.get("instance", inst), pid=pid, cmd=doc.get("cmd", ""),
-                                age_s=round(time.time() - doc.get("time", 0), 1)))
+                                age_s=round(time.time() - doc.get("time", 0), 1),
+                                engine_path=doc.get("path", "")))
         _rmdir_if_empty(d)
     return out
 

@@ -286,6 +286,7 @@ def write_bw_client(peer: str, instance: str, ns: str | None = None, size: int =
                "msg_rate_mps": done / el / 1e6 if el > 0 else 0.0, "qp_stats": st,
                "spin_us": s.ep.options()["spin_us"]}
         s.ch.send({"type": "result", "result": res})
+        res["path"] = s.ep.path       # (local: single- or multi-buffer; not sent to the peer)
         s.ch.barrier("done", timeout)
         return res
 

@@ -61,6 +61,17 @@
 #include "mrc_shared.h"
 #include "engine.h"
 
+/* AF_XDP multi-buffer (Linux 6.6+): Debian 12's linux/if_xdp.h predates both. */
+#ifndef XDP_USE_SG
+#define XDP_USE_SG    (1 << 4)   /* bind: the socket takes packets of several frames */
+#endif
+#ifndef XDP_MAX_TX_SKB_BUDGET
+#define XDP_MAX_TX_SKB_BUDGET 9  /* setsockopt (Linux 6.17+): descriptors per send syscall */
+#endif
+#ifndef XDP_PKT_CONTD
+#define XDP_PKT_CONTD (1 << 0)   /* xdp_desc.options: the packet goes on in the next descriptor */
+#endif
+
 #define PSN_MASK   0xFFFFFFu
 #define PSN_HALF   0x800000u
 #define RX_BATCH   64
@@ -73,6 +84,8 @@
 #define OFF_BTH    (OFF_UDP + UDP_HLEN)
 #define OFF_EXT    (OFF_BTH + MRC_BTH_LEN)
 #define ECT0       2
+#define RX_MAX_SEGS RX_BATCH   /* frames of one received packet we can hold (a longer chain is dropped) */
+#define RX_HDR_MIN 128         /* a multi-buffer packet's first frame holds at least this (every header) */
 
 static inline uint32_t psn_sub(uint32_t a, uint32_t b) { return (a - b) & PSN_MASK; }
 
@@ -218,14 +231,14 @@ static void crc_fast_check(void)
  * BTH byte 4 0xFF; ip6 excludes the trailer. */
 static uLong crc_lrh;
 
-static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
+#define ICRC_HDR (MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN)   /* the masked part: IPv6, UDP, BTH */
+
+/* The CRC after the masked LRH and the masked IPv6, UDP and BTH headers (ICRC_HDR bytes at ip6). */
+static uLong icrc_hdr(const uint8_t *ip6)
 {
 	static const uint8_t lrh[8] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
-	uint8_t hdr[MRC_IPV6_LEN + UDP_HLEN + MRC_BTH_LEN];
-	uLong crc;
+	uint8_t hdr[ICRC_HDR];
 
-	if (len < sizeof(hdr))
-		return 0;
 	memcpy(hdr, ip6, sizeof(hdr));
 	hdr[0] |= 0x0F;
 	hdr[1] = hdr[2] = hdr[3] = 0xFF;
@@ -234,8 +247,44 @@ static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
 	hdr[MRC_IPV6_LEN + UDP_HLEN + 4] = 0xFF;
 	if (!crc_lrh)
 		crc_lrh = crc32(0L, lrh, sizeof(lrh));  /* a constant: once */
-	crc = crc32(crc_lrh, hdr, sizeof(hdr));
-	crc = crc32_any(crc, ip6 + sizeof(hdr), len - sizeof(hdr), fast);
+	return crc32(crc_lrh, hdr, sizeof(hdr));
+}
+
+static uint32_t icrc_calc(const uint8_t *ip6, uint32_t len, int fast)
+{
+	uLong crc;
+
+	if (len < ICRC_HDR)
+		return 0;
+	crc = icrc_hdr(ip6);
+	crc = crc32_any(crc, ip6 + ICRC_HDR, len - ICRC_HDR, fast);
+	return (uint32_t)crc;
+}
+
+/* The same over a packet held in several frames (multi-buffer): nseg pieces seg[i] of
+ * slen[i] bytes, the IPv6 header at offset off of the packet, len bytes (the trailer
+ * excluded).  The first piece holds at least off + ICRC_HDR bytes (callers check). */
+static uint32_t icrc_iov(uint8_t *const *seg, const uint32_t *slen, uint32_t nseg, uint32_t off,
+			 uint32_t len, int fast)
+{
+	uLong crc;
+	uint32_t i, k;
+
+	if (len < ICRC_HDR || !nseg || slen[0] < off + ICRC_HDR)
+		return 0;
+	crc = icrc_hdr(seg[0] + off);
+	off += ICRC_HDR;
+	len -= ICRC_HDR;
+	for (i = 0; i < nseg && len; i++) {
+		if (off >= slen[i]) {
+			off -= slen[i];
+			continue;
+		}
+		k = slen[i] - off < len ? slen[i] - off : len;
+		crc = crc32_any(crc, seg[i] + off, k, fast);
+		len -= k;
+		off = 0;
+	}
 	return (uint32_t)crc;
 }
 
@@ -349,6 +398,13 @@ struct qp {
 	struct mrc_qp_stats st;
 };
 
+/* The packet rx_frame is reading: its frames in order (one unless multi-buffer). */
+struct rxpkt {
+	uint32_t n, total;
+	uint8_t *seg[RX_MAX_SEGS];
+	uint32_t len[RX_MAX_SEGS];
+};
+
 struct mrc_eng {
 	struct mrc_eng_opts o;
 	pthread_mutex_t mu;          /* QPs, MRs, WRs: everything but the CQ */
@@ -367,6 +423,14 @@ struct mrc_eng {
 	uint64_t *tx_free;
 	uint32_t n_tx_free, n_tx_frames, n_rx_frames;
 	uint32_t tx_pending;         /* descriptors submitted, not yet kicked */
+	/* multi-buffer (XDP_USE_SG): a packet spans frames chained by XDP_PKT_CONTD */
+	int sg;                      /* bound with XDP_USE_SG */
+	uint32_t rx_cap;             /* bytes one RX frame holds (frame_size - XDP_PACKET_HEADROOM) */
+	uint32_t tx_fpp;             /* TX frames a full data packet takes */
+	uint64_t mr_off, mr_len;     /* the memory-region space: UMEM offsets [mr_off, +mr_len) */
+	int mr_given;                /* ... handed to the caller (mrc_eng_umem_mr): not unmapped here */
+	struct rxpkt rxp;            /* the packet being received */
+	int rx_skip;                 /* dropping the rest of a chain too long to hold */
 	/* QPs, MRs */
 	struct qp *qph[QP_HASH];
 	struct qp *qps;              /* all QPs, a list */
@@ -756,6 +820,7 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 		memset(&xs, 0, sizeof(xs));
 		if (e->xsk_fd >= 0 && !getsockopt(e->xsk_fd, SOL_XDP, XDP_STATISTICS, &xs, &len)) {
 			out->xsk_rx_dropped = xs.rx_dropped;
+			out->xsk_tx_invalid = xs.tx_invalid_descs;
 			out->xsk_rx_ring_full = len >= offsetof(struct xdp_statistics, rx_ring_full) + 8 ? xs.rx_ring_full : 0;
 			out->xsk_fill_empty = len >= offsetof(struct xdp_statistics, rx_fill_ring_empty_descs) + 8 ?
 					      xs.rx_fill_ring_empty_descs : 0;
@@ -764,6 +829,13 @@ void mrc_eng_stats(struct mrc_eng *e, struct mrc_eng_stats *out)
 }
 
 void mrc_eng_get_opts(struct mrc_eng *e, struct mrc_eng_opts *out) { *out = e->o; }
+
+void mrc_eng_umem_mr(struct mrc_eng *e, uint64_t *addr, uint64_t *len)
+{
+	*addr = e->mr_len ? (uint64_t)(uintptr_t)e->area + e->mr_off : 0;
+	*len = e->mr_len;
+	e->mr_given = e->mr_len != 0;
+}
 
 static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now);
 static void tx_kick(struct mrc_eng *e);
@@ -885,6 +957,62 @@ static int tx_submit(struct mrc_eng *e, uint64_t addr, uint32_t len)
 	return 0;
 }
 
+/* Multi-buffer TX: n free frames for one packet, all or none (-1). */
+static int tx_frames(struct mrc_eng *e, uint32_t n, uint64_t *addr)
+{
+	uint32_t i;
+
+	if (e->n_tx_free < n)
+		return -1;
+	for (i = 0; i < n; i++)
+		addr[i] = e->tx_free[--e->n_tx_free];
+	return 0;
+}
+
+/* Queue one packet of n frames (len[i] bytes each) on the TX ring as one chain: every
+ * descriptor but the last carries XDP_PKT_CONTD.  All or nothing: on a full ring the
+ * frames go back (-1). */
+static int tx_submit_chain(struct mrc_eng *e, const uint64_t *addr, const uint32_t *len, uint32_t n)
+{
+	uint32_t idx, i, total = 0;
+	struct xdp_desc *d;
+
+	if (xsk_ring_prod__reserve(&e->tx, n, &idx) != n) {
+		for (i = 0; i < n; i++)
+			if (!e->mr_len || addr[i] < e->mr_off)
+				e->tx_free[e->n_tx_free++] = addr[i];
+		e->st.tx_ring_full++;
+		return -1;
+	}
+	for (i = 0; i < n; i++) {
+		d = xsk_ring_prod__tx_desc(&e->tx, idx + i);
+		d->addr = addr[i];
+		d->len = len[i];
+		d->options = i + 1 < n ? XDP_PKT_CONTD : 0;
+		total += len[i];
+	}
+	xsk_ring_prod__submit(&e->tx, n);
+	e->tx_pending += n;
+	e->st.tx_frames++;
+	e->st.tx_bytes += total;
+	e->st.tx_mb++;
+	e->st.tx_mb_frames += n;
+	return 0;
+}
+
+/* Write n bytes at offset off of a packet laid out over frames fr[] of fs bytes each. */
+static void tx_put(uint8_t *const *fr, uint32_t fs, uint32_t off, const uint8_t *src, uint32_t n)
+{
+	uint32_t i = off / fs, o = off % fs, k;
+
+	for (; n; i++, o = 0) {
+		k = fs - o < n ? fs - o : n;
+		memcpy(fr[i] + o, src, k);
+		src += k;
+		n -= k;
+	}
+}
+
 static void tx_kick(struct mrc_eng *e)
 {
 	int i;
@@ -913,8 +1041,12 @@ static void tx_complete(struct mrc_eng *e)
 	uint32_t idx, n, i;
 
 	n = xsk_ring_cons__peek(&e->comp, e->n_tx_frames, &idx);
-	for (i = 0; i < n; i++)
-		e->tx_free[e->n_tx_free++] = *xsk_ring_cons__comp_addr(&e->comp, idx + i);
+	for (i = 0; i < n; i++) {
+		uint64_t a = *xsk_ring_cons__comp_addr(&e->comp, idx + i);
+
+		if (a < e->mr_off || !e->mr_len)     /* (not a payload in a memory region) */
+			e->tx_free[e->n_tx_free++] = a;
+	}
 	if (n)
 		xsk_ring_cons__release(&e->comp, n);
 }
@@ -959,32 +1091,14 @@ static void finish_frame(uint8_t *f, uint32_t frame_len)
 	put_icrc(f + frame_len - MRC_ICRC_LEN, mrc_eng_icrc(ip6, ip_len - MRC_ICRC_LEN));
 }
 
-/* Send (or resend) the data packet of PSN slot t. */
-static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
+/* The headers of a data packet into frame f (Ethernet to ImmDt); returns where the
+ * payload goes. */
+static uint8_t *data_hdrs(struct mrc_eng *e, struct qp *q, struct txp *t, uint8_t *f, uint32_t ip_plen,
+			  uint8_t opcode, uint32_t pad, int last, int imm, int ts_on, uint64_t now, int rtx)
 {
 	struct wr *w = t->wr;
-	uint32_t pad = (4 - (t->len & 3)) & 3, ext, frame_len, ip_plen;
-	int first = t->off == 0, last = t->last, imm = w->with_imm && last;
-	uint8_t opcode, *f, *p;
-	uint64_t addr;
+	uint8_t *p;
 
-	if (w->npkts == 1)
-		opcode = w->with_imm ? MRC_OP_WRITE_ONLY_IMM : MRC_OP_WRITE_ONLY;
-	else if (first)
-		opcode = MRC_OP_WRITE_FIRST;
-	else if (last)
-		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
-	else
-		opcode = MRC_OP_WRITE_MIDDLE;
-	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
-	uint64_t now = now_ns();
-
-	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
-	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
-	ip_plen = frame_len - OFF_UDP;
-	f = tx_frame(e, &addr);
-	if (!f)
-		return -1;
 	build_hdrs(e, q, f, ip_plen, (uint8_t)(e->o.dscp_data << 2 | ECT0), opcode, q->rqpn,
 		   (uint8_t)(pad << 4), (last || t->rto ? MRC_BTH_B8_ACKREQ : 0) | (rtx ? MRC_BTH_B8_RTX : 0) |
 		   (ts_on ? MRC_BTH_B8_TS : 0), t->psn);
@@ -1008,11 +1122,115 @@ static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
 		put32(p, w->imm);
 		p += MRC_IMMDT_LEN;
 	}
-	memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
-	memset(p + t->len, 0, pad);
-	finish_frame(f, frame_len);
-	if (tx_submit(e, addr, frame_len))
-		return -1;
+	return p;
+}
+
+/* Send (or resend) the data packet of PSN slot t.  Three layouts: one frame (the payload
+ * copied after the headers); a multi-buffer packet (XDP_USE_SG) of frames of fs bytes,
+ * the headers at the start of the first, the payload copied on through the others; and,
+ * for a source in the UMEM's memory-region space (opts.umem_mr), no copy: a header frame,
+ * descriptors pointing at the payload where it lies (split at frame boundaries, as the
+ * kernel wants a descriptor inside one chunk), and a trailer frame with the pad and the
+ * ICRC, computed over all of them. */
+static int send_data(struct mrc_eng *e, struct qp *q, struct txp *t, int rtx)
+{
+	struct wr *w = t->wr;
+	uint32_t pad = (4 - (t->len & 3)) & 3, ext, frame_len, ip_plen;
+	int first = t->off == 0, last = t->last, imm = w->with_imm && last;
+	uint8_t opcode, *f, *p;
+	uint64_t addr;
+	uint64_t addrs[MRC_ENG_SG_MAX_FRAMES];
+	uint8_t *fr[MRC_ENG_SG_MAX_FRAMES];
+	uint32_t flen[MRC_ENG_SG_MAX_FRAMES], nfr, fs = e->o.frame_size, i;
+
+	if (w->npkts == 1)
+		opcode = w->with_imm ? MRC_OP_WRITE_ONLY_IMM : MRC_OP_WRITE_ONLY;
+	else if (first)
+		opcode = MRC_OP_WRITE_FIRST;
+	else if (last)
+		opcode = w->with_imm ? MRC_OP_WRITE_LAST_IMM : MRC_OP_WRITE_LAST;
+	else
+		opcode = MRC_OP_WRITE_MIDDLE;
+	int ts_on = e->o.timestamps == 1;   /* 0 (default) and 2: none */
+	uint64_t now = now_ns();
+
+	ext = MRC_METH_LEN + MRC_RETH_LEN + (imm ? MRC_IMMDT_LEN : 0) + (ts_on ? MRC_TSETH_LEN : 0);
+	frame_len = OFF_EXT + ext + t->len + pad + MRC_ICRC_LEN;
+	ip_plen = frame_len - OFF_UDP;
+	if (e->mr_len && e->sg && t->len) {
+		uint64_t src = w->laddr + t->off, base = (uint64_t)(uintptr_t)e->area;
+
+		if (src >= base + e->mr_off && src + t->len <= base + e->mr_off + e->mr_len &&
+		    (src - base) % fs + t->len <= (uint64_t)(MRC_ENG_SG_MAX_FRAMES - 2) * fs) {
+			uint64_t hf[2], a = src - base;
+			uint32_t left = t->len, k;
+			uint8_t *tr;
+
+			if (tx_frames(e, 2, hf))
+				return -1;
+			f = (uint8_t *)e->area + hf[0];
+			p = data_hdrs(e, q, t, f, ip_plen, opcode, pad, last, imm, ts_on, now, rtx);
+			addrs[0] = hf[0];
+			fr[0] = f;
+			flen[0] = (uint32_t)(p - f);
+			nfr = 1;
+			for (; left; nfr++, a += k, left -= k) {
+				k = fs - (uint32_t)(a % fs) < left ? fs - (uint32_t)(a % fs) : left;
+				addrs[nfr] = a;
+				fr[nfr] = (uint8_t *)e->area + a;
+				flen[nfr] = k;
+			}
+			tr = (uint8_t *)e->area + hf[1];
+			memset(tr, 0, pad);
+			addrs[nfr] = hf[1];
+			fr[nfr] = tr;
+			flen[nfr] = pad + MRC_ICRC_LEN;
+			nfr++;
+			put_icrc(tr + pad, icrc_iov(fr, flen, nfr, OFF_IP6, frame_len - OFF_IP6 - MRC_ICRC_LEN,
+						    crc_fast_ok));
+			if (tx_submit_chain(e, addrs, flen, nfr))
+				return -1;
+			e->st.tx_inplace++;
+			goto sent;
+		}
+	}
+	nfr = (frame_len + fs - 1) / fs;
+	if (nfr > MRC_ENG_SG_MAX_FRAMES || (nfr > 1 && !e->sg))
+		return -1;                       /* mrc_eng_open's checks make this impossible */
+	if (nfr == 1) {
+		f = tx_frame(e, &addr);
+		if (!f)
+			return -1;
+	} else {
+		if (tx_frames(e, nfr, addrs))
+			return -1;
+		for (i = 0; i < nfr; i++) {
+			fr[i] = (uint8_t *)e->area + addrs[i];
+			flen[i] = frame_len - i * fs < fs ? frame_len - i * fs : fs;
+		}
+		addr = addrs[0];
+		f = (uint8_t *)e->area + addrs[0];
+	}
+	p = data_hdrs(e, q, t, f, ip_plen, opcode, pad, last, imm, ts_on, now, rtx);
+	if (nfr == 1) {
+		memcpy(p, (const void *)(uintptr_t)(w->laddr + t->off), t->len);
+		memset(p + t->len, 0, pad);
+		finish_frame(f, frame_len);
+		if (tx_submit(e, addr, frame_len))
+			return -1;
+	} else {
+		static const uint8_t zero[4];
+		uint32_t off = (uint32_t)(p - f);
+		uint8_t tr[MRC_ICRC_LEN];
+
+		tx_put(fr, fs, off, (const uint8_t *)(uintptr_t)(w->laddr + t->off), t->len);
+		tx_put(fr, fs, off + t->len, zero, pad);
+		put_icrc(tr, icrc_iov(fr, flen, nfr, OFF_IP6, frame_len - OFF_IP6 - MRC_ICRC_LEN, crc_fast_ok));
+		tx_put(fr, fs, frame_len - MRC_ICRC_LEN, tr, MRC_ICRC_LEN);
+		if (tx_submit_chain(e, addrs, flen, nfr))
+			return -1;
+	}
+sent:
 	t->tx_ns = now;                          /* the stamp's clock read (one per packet) */
 	t->txseq = q->txseq++;
 	t->nsent++;
@@ -1151,9 +1369,30 @@ static void send_nack(struct mrc_eng *e, struct qp *q, uint32_t psn, uint32_t ev
 
 /* ------------------------------------------------------------------ receiver: data */
 
+/* Copy n bytes from offset off of the packet being received (e->rxp) to dst: one memcpy
+ * for a single-frame packet, one per frame it spans for a multi-buffer one. */
+static void rx_place(struct mrc_eng *e, uint8_t *dst, uint32_t off, uint32_t n)
+{
+	const struct rxpkt *p = &e->rxp;
+	uint32_t i = 0, k;
+
+	if (p->n == 1) {
+		memcpy(dst, p->seg[0] + off, n);
+		return;
+	}
+	while (i < p->n && off >= p->len[i])
+		off -= p->len[i++];
+	for (; n && i < p->n; i++, off = 0) {
+		k = p->len[i] - off < n ? p->len[i] - off : n;
+		memcpy(dst, p->seg[i] + off, k);
+		dst += k;
+		n -= k;
+	}
+}
+
 static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end, uint32_t ev, int ce)
 {
-	uint8_t *bth = f + OFF_BTH, *meth = f + OFF_EXT, *reth = meth + MRC_METH_LEN, *pl;
+	uint8_t *bth = f + OFF_BTH, *meth = f + OFF_EXT, *reth = meth + MRC_METH_LEN;
 	uint8_t op = bth[0];
 	int imm = op == MRC_OP_WRITE_LAST_IMM || op == MRC_OP_WRITE_ONLY_IMM;
 	int last = op == MRC_OP_WRITE_LAST || op == MRC_OP_WRITE_ONLY || imm;
@@ -1174,7 +1413,6 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		return;
 	}
 	len = ip_end - MRC_ICRC_LEN - pad - hdr;
-	pl = f + hdr;
 	d = psn_sub(psn, q->rcv_cack);
 	if (d >= PSN_HALF || (d < q->win && rcv_has(q, psn))) {
 		e->st.duplicates++;
@@ -1202,7 +1440,7 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		qp_error(e, q, MRC_WC_REM_ACCESS_ERR);
 		return;
 	}
-	memcpy((void *)(uintptr_t)va, pl, len);
+	rx_place(e, (uint8_t *)(uintptr_t)va, hdr, len);
 	rcv_set(q, psn, 1);
 	q->rcvd_bytes += len;
 	q->st.rx_pkts++;
@@ -1636,9 +1874,22 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	data = op >= MRC_OP_WRITE_FIRST && op <= MRC_OP_WRITE_ONLY_IMM;
 	tc = (uint8_t)((ip6[0] & 0x0F) << 4 | ip6[1] >> 4);
 	trimmed = data && (tc >> 2) == e->o.dscp_trimmed;
-	if (!trimmed && mrc_eng_icrc(ip6, ip_end - OFF_IP6 - MRC_ICRC_LEN) != get_icrc(f + ip_end - MRC_ICRC_LEN)) {
-		e->st.bad_icrc++;
-		return;
+	if (!trimmed) {
+		uint32_t want;
+		uint8_t tr[MRC_ICRC_LEN];
+
+		if (e->rxp.n == 1) {
+			want = mrc_eng_icrc(ip6, ip_end - OFF_IP6 - MRC_ICRC_LEN);
+			memcpy(tr, f + ip_end - MRC_ICRC_LEN, MRC_ICRC_LEN);
+		} else {       /* multi-buffer: the CRC runs over every frame; the trailer may straddle two */
+			want = icrc_iov(e->rxp.seg, e->rxp.len, e->rxp.n, OFF_IP6,
+					ip_end - OFF_IP6 - MRC_ICRC_LEN, crc_fast_ok);
+			rx_place(e, tr, ip_end - MRC_ICRC_LEN, MRC_ICRC_LEN);
+		}
+		if (want != get_icrc(tr)) {
+			e->st.bad_icrc++;
+			return;
+		}
 	}
 	qpn = get24(bth + 5);
 	q = qp_find(e, qpn);
@@ -1687,30 +1938,121 @@ static void rx_frame(struct mrc_eng *e, uint8_t *f, uint32_t len)
 	}
 }
 
+/* One RX descriptor as rx_descs reads it. */
+struct rxd {
+	uint8_t *p;
+	uint32_t len, opt;
+};
+
+/* Read n descriptors.  With XDP_USE_SG a packet is a chain of descriptors, each but the
+ * last with XDP_PKT_CONTD: headers come from its first frame, payload from each
+ * (rx_place), the ICRC over all.  The kernel makes a packet's descriptors visible
+ * together, so a chain that the batch cut (n == max: the ring may hold more) is left for
+ * the next round; a chain longer than a whole batch, or whose first frame does not hold
+ * every header, is counted (rx_mb_bad) and dropped (a chain too long to hold: the rest of
+ * it too, as it comes).  Returns the descriptors consumed. */
+static uint32_t rx_descs(struct mrc_eng *e, const struct rxd *d, uint32_t n, uint32_t max)
+{
+	struct rxpkt *p = &e->rxp;
+	uint32_t i, j, k;
+
+	for (i = 0; i < n; i = j + 1) {
+		if (e->rx_skip) {                /* the rest of a chain dropped before */
+			e->rx_skip = !!(d[i].opt & XDP_PKT_CONTD);
+			j = i;
+			continue;
+		}
+		if (!(d[i].opt & XDP_PKT_CONTD)) {        /* one frame: the common case */
+			j = i;
+			p->n = 1;
+			p->seg[0] = d[i].p;
+			p->len[0] = p->total = d[i].len;
+			rx_frame(e, d[i].p, d[i].len);
+			continue;
+		}
+		for (j = i; j < n && (d[j].opt & XDP_PKT_CONTD); j++)
+			;
+		if (j == n) {                    /* the chain goes on past these descriptors */
+			if (i || n < max)
+				break;               /* the rest next round */
+			e->st.rx_mb_bad++;           /* longer than a batch: never ours; its */
+			e->rx_skip = 1;              /* rest is dropped as it comes */
+			j = n - 1;
+			continue;
+		}
+		p->n = j - i + 1;
+		p->total = 0;
+		for (k = 0; k < p->n; k++) {
+			p->seg[k] = d[i + k].p;
+			p->len[k] = d[i + k].len;
+			p->total += d[i + k].len;
+		}
+		if (p->len[0] < RX_HDR_MIN) {
+			e->st.rx_mb_bad++;           /* headers not all in the first frame */
+			continue;
+		}
+		e->st.rx_mb++;
+		e->st.rx_mb_frames += p->n;
+		rx_frame(e, p->seg[0], p->total);
+	}
+	return i;
+}
+
+/* Read up to RX_BATCH descriptors from the RX ring (rx_descs); every frame read goes
+ * back to the fill ring, a cut chain's stay in the ring.  Returns the descriptors seen
+ * (RX_BATCH: the ring may hold more), 0 if none could be consumed. */
 static int rx_batch(struct mrc_eng *e)
 {
-	uint32_t idx, fidx, n, i, got;
+	struct rxd d[RX_BATCH];
+	uint32_t idx, fidx, n, i, got, done;
 
 	n = xsk_ring_cons__peek(&e->rx, RX_BATCH, &idx);
 	if (!n)
 		return 0;
 	for (i = 0; i < n; i++) {
-		const struct xdp_desc *d = xsk_ring_cons__rx_desc(&e->rx, idx + i);
-		uint64_t a = xsk_umem__add_offset_to_addr(d->addr);
+		const struct xdp_desc *x = xsk_ring_cons__rx_desc(&e->rx, idx + i);
 
-		rx_frame(e, (uint8_t *)e->area + a, d->len);
+		d[i].p = (uint8_t *)e->area + xsk_umem__add_offset_to_addr(x->addr);
+		d[i].len = x->len;
+		d[i].opt = x->options;
 	}
-	/* the same frames go straight back to the fill ring (it has room for all of them) */
-	got = xsk_ring_prod__reserve(&e->fill, n, &fidx);
+	done = rx_descs(e, d, n, RX_BATCH);
+	/* the frames read go straight back to the fill ring (it has room for all of them) */
+	got = xsk_ring_prod__reserve(&e->fill, done, &fidx);
 	for (i = 0; i < got; i++)
 		*xsk_ring_prod__fill_addr(&e->fill, fidx + i) =
 			xsk_umem__extract_addr(xsk_ring_cons__rx_desc(&e->rx, idx + i)->addr);
 	if (got)
 		xsk_ring_prod__submit(&e->fill, got);
-	if (got < n)
-		e->st.fill_empty += n - got;
-	xsk_ring_cons__release(&e->rx, n);
-	return (int)n;
+	if (got < done)
+		e->st.fill_empty += done - got;
+	if (done < n)
+		xsk_ring_cons__cancel(&e->rx, n - done);
+	if (done)
+		xsk_ring_cons__release(&e->rx, done);
+	return done ? (int)n : 0;
+}
+
+/* Tests: run frames through the receive path as if they were n RX descriptors (bufs[i],
+ * lens[i] bytes, options opts[i]: XDP_PKT_CONTD chains), under the engine's lock, as one
+ * batch of n.  Returns the descriptors consumed (a chain cut at the end is not). */
+int mrc_eng_rx_inject(struct mrc_eng *e, uint8_t *const *bufs, const uint32_t *lens,
+		      const uint32_t *opts, uint32_t n)
+{
+	struct rxd d[RX_BATCH];
+	uint32_t i, done;
+
+	if (n > RX_BATCH)
+		return -EINVAL;
+	for (i = 0; i < n; i++) {
+		d[i].p = bufs[i];
+		d[i].len = lens[i];
+		d[i].opt = opts[i];
+	}
+	pthread_mutex_lock(&e->mu);
+	done = rx_descs(e, d, n, RX_BATCH);
+	pthread_mutex_unlock(&e->mu);
+	return (int)done;
 }
 
 /* ------------------------------------------------------------------ sender: transmit */
@@ -1967,7 +2309,8 @@ static int progress_once(struct mrc_eng *e, uint64_t *nowp, uint64_t *next, int 
 		work += qp_tx(e, q, now);
 		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail))
 			*more = 1;
-		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) && !e->n_tx_free) {
+		if (q->state == MRC_QPS_RTS && (q->wr_cur || q->rtx_head != q->rtx_tail) &&
+		    e->n_tx_free < e->tx_fpp) {
 			*blocked = 1;
 			if (!e->tx_next)
 				e->tx_next = q;
@@ -2231,6 +2574,27 @@ static void defaults(struct mrc_eng_opts *o)
 
 static int pow2(uint32_t v) { return v && !(v & (v - 1)); }
 
+/* every header of any frame lies in a multi-buffer packet's first frame */
+_Static_assert(HDR_DATA + MRC_TSETH_LEN + MRC_IMMDT_LEN <= RX_HDR_MIN, "data headers past RX_HDR_MIN");
+_Static_assert(OFF_EXT + MRC_SETH_LEN + MRC_CCSTATE_LEN <= RX_HDR_MIN, "SACK headers past RX_HDR_MIN");
+_Static_assert(OFF_EXT + MRC_NETH_LEN <= RX_HDR_MIN, "NACK headers past RX_HDR_MIN");
+
+/* The longest data frame of the endpoint's payload, Ethernet header to ICRC (every
+ * optional header; a full packet's payload is a multiple of 4: no pad). */
+static uint32_t data_frame_max(const struct mrc_eng_opts *o, uint32_t payload)
+{
+	return HDR_DATA + MRC_IMMDT_LEN + (o->timestamps == 1 ? MRC_TSETH_LEN : 0) + payload + MRC_ICRC_LEN;
+}
+
+/* The largest payload whose frames fit one RX frame (a multiple of 64, as the Python
+ * side's default payload is). */
+static uint32_t single_frame_payload(const struct mrc_eng_opts *o)
+{
+	uint32_t cap = o->frame_size - MRC_ENG_RX_HEADROOM, over = data_frame_max(o, 0);
+
+	return cap > over + 64 ? (cap - over) / 64 * 64 : 0;
+}
+
 static void eng_free(struct mrc_eng *e)
 {
 	struct qp *q, *n;
@@ -2239,8 +2603,8 @@ static void eng_free(struct mrc_eng *e)
 		xsk_socket__delete(e->xsk);
 	if (e->umem)
 		xsk_umem__delete(e->umem);
-	if (e->area)
-		munmap(e->area, e->area_len);
+	if (e->area)       /* the memory-region space stays: its owner unmaps it (mrc_eng_umem_mr) */
+		munmap(e->area, e->mr_given ? e->mr_off : e->area_len);
 	if (e->wake_fd >= 0)
 		close(e->wake_fd);
 	if (e->cq_fd >= 0)
@@ -2270,6 +2634,9 @@ static int make_socket(struct mrc_eng *e, uint16_t bind_flags)
 	};
 	int rc;
 
+	/* tests: a kernel without AF_XDP multi-buffer (before 6.6) refuses the flag so */
+	if ((bind_flags & XDP_USE_SG) && getenv("MRC_ENG_TEST_REFUSE_SG"))
+		return -EINVAL;
 	rc = xsk_umem__create(&e->umem, e->area, e->area_len, &e->fill, &e->comp, &uc);
 	if (rc)
 		return rc;
@@ -2285,8 +2652,8 @@ static int make_socket(struct mrc_eng *e, uint16_t bind_flags)
 struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t errlen)
 {
 	struct mrc_eng *e = calloc(1, sizeof(*e));
-	uint32_t i, idx;
-	int rc;
+	uint32_t i, idx, fmax;
+	int rc, need_sg, want_sg;
 
 	if (!e) {
 		snprintf(err, errlen, "out of memory");
@@ -2299,11 +2666,31 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	pthread_mutex_init(&e->cq_mu, NULL);
 	e->next_qpn = 0x1000;
 	if (!pow2(e->o.frames) || e->o.frames < 64 || !pow2(e->o.ring) || !pow2(e->o.window) ||
-	    e->o.window < 128 || e->o.window > 16384 || e->o.payload % 4 ||
-	    e->o.payload + HDR_DATA + MRC_IMMDT_LEN + MRC_ICRC_LEN > e->o.frame_size - 256) {
-		snprintf(err, errlen, "engine options: frames, ring and window must be powers of 2 "
-			 "(window 128..16384), payload a multiple of 4 fitting a %u-byte UMEM frame",
-			 e->o.frame_size);
+	    e->o.window < 128 || e->o.window > 16384 || e->o.payload % 4 || !pow2(e->o.frame_size) ||
+	    e->o.frame_size < 2048 || e->o.sg > MRC_ENG_SG_ON) {
+		snprintf(err, errlen, "engine options: frames, ring, window and frame_size must be powers "
+			 "of 2 (window 128..16384, frame_size at least 2048), payload a multiple of 4, "
+			 "sg 0..2");
+		goto fail;
+	}
+	/* one frame or several (multi-buffer) per packet: the payload decides */
+	fmax = data_frame_max(&e->o, e->o.payload);
+	if (fmax - OFF_UDP > 0xFFFF || (fmax + e->o.frame_size - 1) / e->o.frame_size > MRC_ENG_SG_MAX_FRAMES) {
+		snprintf(err, errlen, "payload %u: too large (an IPv6 packet is at most 65535 bytes, and "
+			 "a packet at most %u UMEM frames of %u bytes)", e->o.payload,
+			 MRC_ENG_SG_MAX_FRAMES, e->o.frame_size);
+		goto fail;
+	}
+	need_sg = fmax > e->o.frame_size - MRC_ENG_RX_HEADROOM;
+	if (need_sg && e->o.sg == MRC_ENG_SG_OFF) {
+		snprintf(err, errlen, "payload %u does not fit one %u-byte UMEM frame (at most %u) and "
+			 "multi-buffer (sg) is off", e->o.payload, e->o.frame_size, single_frame_payload(&e->o));
+		goto fail;
+	}
+	want_sg = need_sg || e->o.sg == MRC_ENG_SG_ON || e->o.umem_mr;
+	if (e->o.umem_mr && e->o.sg == MRC_ENG_SG_OFF) {
+		snprintf(err, errlen, "umem_mr (memory regions sent without a copy) needs multi-buffer "
+			 "(sg), which is off");
 		goto fail;
 	}
 	if (e->o.spin_us != MRC_ENG_SPIN_OFF && e->o.spin_us > MRC_ENG_SPIN_MAX_US) {
@@ -2326,7 +2713,9 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	}
 	e->n_rx_frames = e->o.frames / 2;
 	e->n_tx_frames = e->o.frames / 2;
-	e->area_len = (uint64_t)e->o.frames * e->o.frame_size;
+	e->mr_off = (uint64_t)e->o.frames * e->o.frame_size;
+	e->mr_len = ((uint64_t)e->o.umem_mr + e->o.frame_size - 1) / e->o.frame_size * e->o.frame_size;
+	e->area_len = e->mr_off + e->mr_len;
 	e->area = mmap(NULL, e->area_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (e->area == MAP_FAILED) {
 		e->area = NULL;
@@ -2336,17 +2725,48 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 	/* The kernel frees a closed socket's hold on the queue from a workqueue, so a queue
 	 * just given up may still be busy for a moment: retry EBUSY for up to a second. */
 	for (i = 0; i < 50; i++) {
+		uint16_t sgf = want_sg ? XDP_USE_SG : 0;
+
 		rc = -EOPNOTSUPP;
 		if (e->o.zero_copy != 1)
-			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY);
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_ZEROCOPY | sgf);
 		if (rc == 0)
 			e->st.zero_copy = 1;
 		else if (e->o.zero_copy != 2)
-			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY);
+			rc = make_socket(e, XDP_USE_NEED_WAKEUP | XDP_COPY | sgf);
+		if (want_sg && (rc == -EINVAL || rc == -EOPNOTSUPP)) {
+			/* the kernel refuses XDP_USE_SG (before 6.6 the flag is unknown: EINVAL) */
+			e->st.sg_refused = (uint64_t)-rc;
+			if (e->o.sg == MRC_ENG_SG_ON) {
+				snprintf(err, errlen, "AF_XDP multi-buffer (XDP_USE_SG) refused by the kernel "
+					 "on %s: %s (Linux 6.6+ has it); payload %u needs %s",
+					 e->o.ifname, strerror(-rc), e->o.payload,
+					 need_sg ? "it (or a payload of one frame)" : "it only with sg=2");
+				goto fail;
+			}
+			/* auto: the single-buffer path, the largest payload one frame holds */
+			uint32_t fs = e->o.frame_size;
+
+			want_sg = 0;
+			e->o = *opts;
+			e->o.frame_size = fs;
+			e->o.payload = single_frame_payload(&e->o);
+			e->o.sg = MRC_ENG_SG_AUTO;
+			defaults(&e->o);
+			i--;
+			continue;
+		}
 		if (rc != -EBUSY)
 			break;
 		usleep(20000);
 	}
+	e->sg = want_sg;
+	e->st.sg = (uint64_t)want_sg;
+	fmax = data_frame_max(&e->o, e->o.payload);
+	e->rx_cap = e->o.frame_size - MRC_ENG_RX_HEADROOM;
+	e->tx_fpp = want_sg ? (fmax + e->o.frame_size - 1) / e->o.frame_size : 1;
+	e->st.tx_frames_pkt = e->tx_fpp;
+	e->st.rx_frames_pkt = want_sg ? (fmax + e->rx_cap - 1) / e->rx_cap : 1;
 	if (rc) {
 		if (rc == -EAFNOSUPPORT || rc == -ENOPROTOOPT)
 			snprintf(err, errlen, "AF_XDP sockets are not available in this kernel "
@@ -2360,6 +2780,16 @@ struct mrc_eng *mrc_eng_open(const struct mrc_eng_opts *opts, char *err, size_t 
 		goto fail;
 	}
 	e->xsk_fd = xsk_socket__fd(e->xsk);
+	{       /* copy mode: more descriptors per send syscall than the kernel's 32 (a multi-buffer
+		 * packet takes several); kernels before 6.17 refuse the option and keep 32 */
+		unsigned int b = e->o.tx_budget ? e->o.tx_budget : 256;
+
+		if (b > e->o.ring)
+			b = e->o.ring;
+		e->st.tx_budget = 32;
+		if (b > 32 && !setsockopt(e->xsk_fd, SOL_XDP, XDP_MAX_TX_SKB_BUDGET, &b, sizeof(b)))
+			e->st.tx_budget = b;
+	}
 	if (e->o.xsks_fd >= 0) {
 		__u32 key = e->o.queue;
 		int fd = e->xsk_fd;

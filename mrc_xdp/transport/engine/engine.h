@@ -109,7 +109,32 @@ struct mrc_eng_opts {
 	                             * echoing the newest marked packet's EV and SETH byte
 	                             * MRC_SETH_CE_OFF counting the marked packets; 2: a SACK of
 	                             * its own at once for every marked packet (before 0.3) */
+	uint32_t sg;                /* AF_XDP multi-buffer (bind flag XDP_USE_SG, kernel 6.6+; copy
+	                             * mode too): a packet spans several UMEM frames, chained with
+	                             * XDP_PKT_CONTD, so the payload may exceed one frame (up to
+	                             * MRC_ENG_SG_MAX_FRAMES frames).  MRC_ENG_SG_AUTO (0): bound
+	                             * with it only when the payload does not fit one frame, and if
+	                             * the kernel refuses it the payload falls back to the largest
+	                             * single-frame one; MRC_ENG_SG_OFF: never (the payload must fit
+	                             * one frame); MRC_ENG_SG_ON: always, or the open fails */
+	uint32_t umem_mr;           /* bytes of memory-region space inside the UMEM, after the
+	                             * frames (rounded up to frame_size; 0: none).  A Write whose
+	                             * source lies there goes without the engine's copy: a header
+	                             * frame, descriptors pointing at the payload in place, a
+	                             * trailer frame (needs multi-buffer: sg is then on).  The
+	                             * space stays mapped after close (mrc_eng_umem_mr) */
+	uint32_t tx_budget;         /* descriptors one send syscall hands the driver in copy mode
+	                             * (setsockopt XDP_MAX_TX_SKB_BUDGET, Linux 6.17+; the kernel's
+	                             * own is 32): default 256, at most the TX ring; older
+	                             * kernels keep 32 (stats tx_budget says which) */
 };
+
+#define MRC_ENG_SG_AUTO         0
+#define MRC_ENG_SG_OFF          1
+#define MRC_ENG_SG_ON           2
+#define MRC_ENG_SG_MAX_FRAMES   18  /* frames per packet: copy-mode TX builds one skb of at most
+                                     * MAX_SKB_FRAGS (17) + 1 buffers */
+#define MRC_ENG_RX_HEADROOM     256 /* XDP_PACKET_HEADROOM: an RX frame holds frame_size - this */
 
 #define MRC_ENG_LOSS_WINDOW_US  200 /* floor of the time-based loss rule's window: the
                                      * datapath's loss_window_us default (config.md) */
@@ -165,6 +190,21 @@ struct mrc_eng_stats {
 	uint64_t xsk_rx_dropped;    /* dropped by the kernel (e.g. no room in the UMEM) */
 	uint64_t xsk_rx_ring_full;  /* RX ring full: the progress thread too slow to read it */
 	uint64_t xsk_fill_empty;    /* the fill ring had no frame for an arriving packet */
+	/* multi-buffer (opts.sg) */
+	uint64_t sg;                /* 1: bound with XDP_USE_SG (multi-buffer path); 0: single-buffer */
+	uint64_t sg_refused;        /* errno of the kernel's refusal of XDP_USE_SG (0: not refused or
+	                             * not tried); with sg 0 the payload fell back to one frame */
+	uint64_t tx_frames_pkt;     /* UMEM frames a full data packet takes on TX (1: single-buffer) */
+	uint64_t rx_frames_pkt;     /* ... and on RX (frame_size - MRC_ENG_RX_HEADROOM per frame) */
+	uint64_t rx_mb;             /* multi-buffer packets received (chains of XDP_PKT_CONTD frames) */
+	uint64_t rx_mb_frames;      /* frames in them */
+	uint64_t rx_mb_bad;         /* chains dropped: more than MRC_ENG_SG_MAX_FRAMES frames, or the
+	                             * headers not all in the first frame */
+	uint64_t tx_mb;             /* multi-buffer packets sent */
+	uint64_t tx_mb_frames;      /* frames in them */
+	uint64_t xsk_tx_invalid;    /* TX descriptors the kernel refused (XDP_STATISTICS) */
+	uint64_t tx_inplace;        /* data packets sent from UMEM memory regions without a copy */
+	uint64_t tx_budget;         /* descriptors per send syscall in force (32: the kernel's) */
 };
 
 struct mrc_qp_stats {
@@ -266,5 +306,18 @@ int  mrc_eng_cq_wait(struct mrc_eng *e, struct mrc_eng_wc *wc, int max, uint32_t
  * the PCLMULQDQ fold (if the CPU has it and it matched zlib), else zlib alone. */
 uint32_t mrc_eng_icrc(const uint8_t *ip6, uint32_t len);
 uint32_t mrc_eng_icrc2(const uint8_t *ip6, uint32_t len, int fast);
+
+/* Tests: run frames through the receive path as n RX descriptors (bufs[i], lens[i] bytes,
+ * options opts[i]; MRC_ENG_PKT_CONTD chains a packet's frames), as one RX batch of the
+ * progress thread would.  Returns the descriptors consumed (a chain cut at the end is
+ * left), or -EINVAL for n above 64. */
+#define MRC_ENG_PKT_CONTD 1         /* XDP_PKT_CONTD */
+
+/* The memory-region space inside the UMEM (opts.umem_mr): its address and length (0 if
+ * none).  The caller carves memory regions from it (mrc_eng_reg_mr as any other); it
+ * stays mapped after mrc_eng_close: the caller munmaps it once nothing uses it. */
+void mrc_eng_umem_mr(struct mrc_eng *e, uint64_t *addr, uint64_t *len);
+int  mrc_eng_rx_inject(struct mrc_eng *e, uint8_t *const *bufs, const uint32_t *lens,
+		       const uint32_t *opts, uint32_t n);
 
 #endif /* MRC_ENGINE_H */
