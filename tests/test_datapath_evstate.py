@@ -546,6 +546,10 @@ def test_time_window_adapts_to_the_rtt(ecmp):
             assert d.get("retire_loss") == 1 and env.state(CONN_A, x) == EvState.ASSUMED_BAD, d
 
 
+@pytest.mark.skip(reason="quarantined 2026-12-06: its 16-bit us stamps are Python's clock, and on "
+                  "this machine it failed 9 of 10 quiet runs at 21:50 UTC (the step not taken back "
+                  "after 1.1 s, or a window above the 5 ms floor) and once in a fresh-clone CI; cause "
+                  "not found (docs/testing.md, 'Quarantined')")
 @pytest.mark.parametrize("resend,late", [(None, True), (0, True), (20000, False)],
                          ids=["not-resent", "resent-just-now", "resent-20ms-ago"])
 def test_late_packet_widens_the_reorder_window(ecmp, resend, late):
