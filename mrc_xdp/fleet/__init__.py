@@ -48,11 +48,16 @@ class FleetError(RuntimeError):
 def write_json(obj, path: str, what: str = "") -> None:
     """obj as JSON into path, atomically (a temporary file renamed into place); JSON is
     YAML to Ansible and Prometheus.  FleetError (one line) when it cannot be written."""
+    write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", path, what)
+
+
+def write_text(text: str, path: str, what: str = "") -> None:
+    """text into path, atomically (a temporary file renamed into place).  FleetError (one
+    line, `what` before the path) when it cannot be written."""
     tmp = "%s.tmp.%d" % (path, os.getpid())
     try:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except OSError as e:
         try:

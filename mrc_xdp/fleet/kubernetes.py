@@ -36,7 +36,7 @@ import copy
 import json
 import os
 
-from mrc_xdp.fleet import FleetError
+from mrc_xdp.fleet import FleetError, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DAEMONSET = os.path.join(ROOT, "deploy", "kubernetes", "daemonset.yaml")
@@ -138,17 +138,7 @@ def dump(docs: list[dict]) -> str:
 
 
 def write(docs: list[dict], path: str) -> None:
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    try:
-        with open(tmp, "w") as f:
-            f.write(dump(docs))
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise FleetError("%s: %s" % (path, e.strerror or e)) from None
+    write_text(dump(docs), path)
 
 
 # ------------------------------------------------------------------ host config as TOML
