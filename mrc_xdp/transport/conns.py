@@ -378,6 +378,23 @@ def _heirs(m: _Maps, conns: list, peers: set) -> None:
         conns.pop()
 
 
+def _remove_batch(instance: str, state: dict, cids: list) -> list[dict]:
+    """Remove connection ids cids in the order given (caller holds the lock and has read
+    state): one sweep of the hash maps, one pass over the probe keys' heirs and one
+    state-file write for all of them.  Returns the metadata of those removed."""
+    if not cids:
+        return []
+    m = _Maps(instance)
+    try:
+        out = [_remove(m, state, cid, batch=True) for cid in cids]
+        _sweep(m, set(cids))
+        _heirs(m, state["connections"], {str(ipaddress.IPv6Address(o["peer"])) for o in out})
+        _write_state(state)
+        return out
+    finally:
+        m.close()
+
+
 def remove_many(instance: str, items) -> list[dict]:
     """Remove the connections (peer, local_qpn) of items that exist, under one lock, with
     one state-file write and one sweep of the hash maps for all of them (an endpoint
@@ -390,17 +407,7 @@ def remove_many(instance: str, items) -> list[dict]:
             cid = _find(state, ipaddress.IPv6Address(peer), qpn)
             if cid is not None and cid not in cids:
                 cids.append(cid)
-        if not cids:
-            return []
-        m = _Maps(instance)
-        try:
-            out = [_remove(m, state, cid, batch=True) for cid in cids]
-            _sweep(m, set(cids))
-            _heirs(m, state["connections"], {str(ipaddress.IPv6Address(o["peer"])) for o in out})
-            _write_state(state)
-            return out
-        finally:
-            m.close()
+        return _remove_batch(instance, state, cids)
 
 
 def remove_owned(instance: str, owner: int) -> list[dict]:
@@ -421,17 +428,7 @@ def reap(instance: str) -> list[dict]:
         state = _read_state(instance)
         dead = [cid for cid, c in enumerate(state.get("connections", []))
                 if c and c.get("runtime") and not owner_alive(c)]
-        if not dead:
-            return []
-        m = _Maps(instance)
-        try:
-            out = [_remove(m, state, cid, batch=True) for cid in dead]   # ascending: later ids stay put
-            _sweep(m, set(dead))
-            _heirs(m, state["connections"], {str(ipaddress.IPv6Address(o["peer"])) for o in out})
-            _write_state(state)
-            return out
-        finally:
-            m.close()
+        return _remove_batch(instance, state, dead)     # ascending: later ids stay put
 
 
 def reap_each(instances, log) -> None:
