@@ -6,7 +6,8 @@
 Two namespaces, loaded with the real CLI (`mrc-xdp load --config ... --netns ...`), every
 veth at the largest MTU native XDP on veth allows (so the engine's default payload is the
 largest the path carries).  The configs list CONNS connections with fixed QPNs; an
-engine QP created with one of those QPNs is sprayed by the datapath.
+engine QP created with one of those QPNs is sprayed by the datapath.  Links puts the lab's
+link model (loss, trimming, ECN) in front of both hosts' ingress.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import os
 import subprocess
 import sys
 
-from mrc_xdp.datapath import netns
+from mrc_xdp.datapath import bpfsys, maps, netns
+from mrc_xdp.lab import linkmodel as lmod
 
 A_ADDR, B_ADDR = "fd00:78::a", "fd00:78::b"
 CONNS = [(0x2A0 + i, 0x2B0 + i) for i in range(4)]      # (A's QPN, B's QPN)
@@ -26,6 +28,7 @@ MTU = 3506        # the largest MTU veth accepts with a native XDP program here 
 # ... without frags support; the frags-aware programs (docs/datapath.md "Multi-buffer frames")
 # lift it, but only once they are attached: a larger MTU is set after the load
 MTU_IB = 4200     # mrc0's MTU for a 4096-byte payload (+ 88 bytes of headers, rounded up)
+LM_BASE = {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12}   # a link model config, no faults
 
 
 def sh(ns, cmd):
@@ -154,3 +157,52 @@ def connect(A, B, k):
     qa.connect(qb.local_attrs())
     qb.connect(qa.local_attrs())
     return qa, qb
+
+
+def ifindex(ns, dev):
+    return json.loads(netns.run_cmd(ns, ["ip", "-j", "link", "show", dev]).stdout)[0]["ifindex"]
+
+
+class Links:
+    """The lab's link model (bpf/linkmodel.c, real XDP) attached to both hosts' plane
+    NICs of a Pair that is up, in front of the datapath's ingress (tail call through
+    mrc_lnext, as the lab does), with no faults.  lm: the LinkModel; links: one
+    (netns, ifindex, side) per plane NIC, side the host it delivers to ("a" or "b")."""
+
+    def __init__(self, pair: Pair):
+        self.lm = lmod.LinkModel.load()
+        self.links: list[tuple[str, int, str]] = []
+        try:
+            for slot, (ns, inst) in enumerate(((pair.a, pair.ia), (pair.b, pair.ib))):
+                ing = bpfsys.obj_get(os.path.join(maps.pin_dir(inst), "prog_ingress"))
+                try:
+                    for k, dev in enumerate(("p0", "p1")):
+                        ix = ifindex(ns, dev)
+                        self.lm.set(ix, LM_BASE)
+                        self.lm.set_next(ix, slot * 2 + k, ing)
+                        lmod.xdp_attach(ix, self.lm.prog_fd, netns_name=ns)
+                        self.links.append((ns, ix, "b" if ns == pair.b else "a"))
+                finally:
+                    os.close(ing)
+        except BaseException:
+            self.lm.close()
+            raise
+
+    def faults(self, to_b: dict, to_a: dict | None = None):
+        """Link model settings (over LM_BASE) on the links into B and into A (none when
+        to_a is not given); {} clears them.  The tail call to ingress stays."""
+        for ns, ix, side in self.links:
+            nxt = self.lm.get(ix)["next_prog"]
+            self.lm.set(ix, dict(LM_BASE, **(to_b if side == "b" else (to_a or {})), next_prog=nxt))
+
+    def counters(self, side):
+        """The link model's counters summed over the links into side ("a" or "b")."""
+        tot = {}
+        for ns, ix, s in self.links:
+            if s == side:
+                for k, v in self.lm.counters(ix).items():
+                    tot[k] = tot.get(k, 0) + v
+        return tot
+
+    def close(self):
+        self.lm.close()

@@ -13,9 +13,7 @@ import time
 
 import pytest
 
-from mrc_xdp.datapath import bpfsys, maps
 from mrc_xdp import transport
-from mrc_xdp.lab import linkmodel as lmod
 
 import engine_pair as ep_
 
@@ -24,63 +22,29 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (XDP, AF_X
 SIZE = 32 << 20
 
 
-def ifindex(ns, dev):
-    out = ep_.netns.run_cmd(ns, ["ip", "-j", "link", "show", dev]).stdout
-    return json.loads(out)[0]["ifindex"]
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     # random loss is not a path failure: the datapath must not retire EVs for it (with
     # the default loss_thresh 1 every EV of the pair would be ASSUMED_BAD within a
     # dozen losses, and spray would have none left)
     p = ep_.Pair(str(tmp_path_factory.mktemp("engloss")), extra="loss_thresh = 1000000\n")
-    lm = None
+    lk = None
     try:
         p.up()
-        lm = lmod.LinkModel.load()
-        links = []
-        for slot, (ns, inst) in enumerate(((p.a, p.ia), (p.b, p.ib))):
-            ing = bpfsys.obj_get(os.path.join(maps.pin_dir(inst), "prog_ingress"))
-            try:
-                for k, dev in enumerate(("p0", "p1")):
-                    ix = ifindex(ns, dev)
-                    lm.set(ix, {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12})
-                    lm.set_next(ix, slot * 2 + k, ing)
-                    lmod.xdp_attach(ix, lm.prog_fd, netns_name=ns)
-                    links.append((ns, ix, "b" if ns == p.b else "a"))
-            finally:
-                os.close(ing)
+        lk = ep_.Links(p)
         a = transport.Endpoint(p.ia)
         b = transport.Endpoint(p.ib)
         src = bytearray(os.urandom(SIZE))
         dst = bytearray(SIZE)
-        e = {"pair": p, "lm": lm, "links": links, "A": a, "B": b, "src": src, "dst": dst,
+        e = {"pair": p, "lk": lk, "A": a, "B": b, "src": src, "dst": dst,
              "ma": a.reg_mr(src), "mb": b.reg_mr(dst)}
         yield e
         a.close()
         b.close()
     finally:
-        if lm is not None:
-            lm.close()
+        if lk is not None:
+            lk.close()
         p.down()
-
-
-def configure(env, to_b: dict, to_a: dict | None = None):
-    base = {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12}
-    for ns, ix, side in env["links"]:
-        cfg = dict(base, **(to_b if side == "b" else (to_a or {})))
-        nxt = env["lm"].get(ix)["next_prog"]
-        env["lm"].set(ix, dict(cfg, next_prog=nxt))
-
-
-def link_counters(env, side):
-    tot = {}
-    for ns, ix, s in env["links"]:
-        if s == side:
-            for k, v in env["lm"].counters(ix).items():
-                tot[k] = tot.get(k, 0) + v
-    return tot
 
 
 def dp_counters(inst):
@@ -108,14 +72,14 @@ def run_transfer(env, k, size, imm=1, timeout=90):
 @pytest.mark.parametrize("ppm", [10000, 100000])
 def test_random_loss(env, ppm):
     """1% and 10% random loss on every plane link, both directions (data and SACKs)."""
-    configure(env, {"loss_ppm": ppm}, {"loss_ppm": ppm})
+    env["lk"].faults({"loss_ppm": ppm}, {"loss_ppm": ppm})
     size = SIZE if ppm <= 10000 else SIZE // 4
     dp0 = dp_counters(env["pair"].ia)
     try:
         sa, sb, dt = run_transfer(env, 0 if ppm <= 10000 else 1, size)
-        lost = link_counters(env, "b")["drop_loss"]
+        lost = env["lk"].counters("b")["drop_loss"]
     finally:
-        configure(env, {}, {})
+        env["lk"].faults({}, {})
     npk = -(-size // env["A"].payload)
     print("loss %.0f%%: %d packets, %d dropped on the way, %d retransmitted (sack %d, timeout %d), "
           "%.2f s" % (ppm / 1e4, npk, lost, sa["rtx_pkts"], sa["rtx_sack"], sa["rtx_timeout"], dt))
@@ -135,14 +99,14 @@ def test_random_loss(env, ppm):
 def test_trim_and_ecn(env):
     """A slow phantom queue on B's plane links: CE marks drive the window down (SACK
     M=SKIP_ONCE), trimmed frames come back as NACK TRIMMED and are resent at once."""
-    configure(env, {"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000,
+    env["lk"].faults({"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000,
                     "ecn": True, "trim": True})
     dp0 = dp_counters(env["pair"].ia)
     try:
         sa, sb, dt = run_transfer(env, 2, SIZE // 2)
-        lc = link_counters(env, "b")
+        lc = env["lk"].counters("b")
     finally:
-        configure(env, {}, {})
+        env["lk"].faults({}, {})
     print("trim/ecn: marked %d trimmed %d; sender nacks_trim %d rtx_nack_trim %d sacks_ecn %d "
           "cc_dec %d cwnd %d; %.2f s" % (lc["marked"], lc["trimmed"], sa["nacks_rx_trim"],
                                          sa["rtx_nack_trim"], sa["sacks_rx_ecn"], sa["cc_dec"],
@@ -167,10 +131,10 @@ def test_dead_plane_not_retired(env):
     frames of a connection different planes): every transfer completes, and no QP
     gets near its retry limit (12).  Measured: at most 2 expiries in a row in every
     run; with one probe and one answer, 4 in a row in 5 runs of 5."""
-    base = {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12}
-    p1 = [(ix, env["lm"].get(ix)["next_prog"]) for i, (ns, ix, side) in enumerate(env["links"]) if i % 2 == 1]
+    lm = env["lk"].lm
+    p1 = [(ix, lm.get(ix)["next_prog"]) for i, (ns, ix, side) in enumerate(env["lk"].links) if i % 2 == 1]
     for ix, nxt in p1:
-        env["lm"].set(ix, dict(base, blackhole=True, next_prog=nxt))
+        lm.set(ix, dict(ep_.LM_BASE, blackhole=True, next_prog=nxt))
     worst, dups, tos = 0, 0, 0
     try:
         for i in range(12):
@@ -181,7 +145,7 @@ def test_dead_plane_not_retired(env):
             dups += sb["rx_dup"]
     finally:
         for ix, nxt in p1:
-            env["lm"].set(ix, dict(base, next_prog=nxt))
+            lm.set(ix, dict(ep_.LM_BASE, next_prog=nxt))
     print("dead plane, 12 messages: %d RTO expiries, at most %d in a row, %d duplicates at B" % (tos, worst, dups))
     assert tos > 0
     assert worst <= 3, worst

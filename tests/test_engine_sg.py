@@ -16,8 +16,7 @@ import socket
 import pytest
 
 from mrc_xdp import transport
-from mrc_xdp.datapath import bpfsys, maps, netns, wire
-from mrc_xdp.lab import linkmodel as lmod
+from mrc_xdp.datapath import netns, wire
 from mrc_xdp.transport import endpoint as tep
 
 import engine_pair as ep_
@@ -28,16 +27,12 @@ BIG = 24 << 20
 RX_FRAME = tep.FRAME_SIZE - tep.RX_HEADROOM       # what one RX frame holds (3840)
 
 
-def ifindex(ns, dev):
-    return json.loads(netns.run_cmd(ns, ["ip", "-j", "link", "show", dev]).stdout)[0]["ifindex"]
-
-
 class Env:
     """The pair, the link model in front of ingress, and one endpoint per host at a
     given payload (reopened when a test asks for another)."""
 
-    def __init__(self, pair, lm, links):
-        self.pair, self.lm, self.links = pair, lm, links
+    def __init__(self, pair, lk):
+        self.pair, self.lk = pair, lk
         self.src = bytearray(os.urandom(BIG))
         self.dst = bytearray(BIG)
         self.key = None
@@ -59,48 +54,23 @@ class Env:
                 e.close()
         self.A = self.B = self.key = None
 
-    def faults(self, to_b: dict, to_a: dict | None = None):
-        base = {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12}
-        for ns, ix, side in self.links:
-            nxt = self.lm.get(ix)["next_prog"]
-            self.lm.set(ix, dict(base, **(to_b if side == "b" else (to_a or {})), next_prog=nxt))
-
-    def link_counters(self, side):
-        tot = {}
-        for ns, ix, s in self.links:
-            if s == side:
-                for k, v in self.lm.counters(ix).items():
-                    tot[k] = tot.get(k, 0) + v
-        return tot
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     # loss_thresh: random loss is not a path failure (see test_engine_loss.py)
     p = ep_.Pair(str(tmp_path_factory.mktemp("engsg")), mtu=ep_.MTU_IB, extra="loss_thresh = 1000000\n")
-    lm, e = None, None
+    lk, e = None, None
     try:
         p.up()
-        lm = lmod.LinkModel.load()
-        links = []
-        for slot, (ns, inst) in enumerate(((p.a, p.ia), (p.b, p.ib))):
-            ing = bpfsys.obj_get(os.path.join(maps.pin_dir(inst), "prog_ingress"))
-            try:
-                for k, dev in enumerate(("p0", "p1")):
-                    ix = ifindex(ns, dev)
-                    lm.set(ix, {"udp_port": 4791, "dscp_ctrl": 46, "dscp_trimmed": 12})
-                    lm.set_next(ix, slot * 2 + k, ing)
-                    lmod.xdp_attach(ix, lm.prog_fd, netns_name=ns)
-                    links.append((ns, ix, "b" if ns == p.b else "a"))
-            finally:
-                os.close(ing)
-        e = Env(p, lm, links)
+        lk = ep_.Links(p)
+        e = Env(p, lk)
         yield e
     finally:
         if e is not None:
             e.close()
-        if lm is not None:
-            lm.close()
+        if lk is not None:
+            lk.close()
         p.down()
 
 
@@ -185,12 +155,12 @@ def test_random_loss(env, payload):
     """1% random loss on every plane link, both directions: 16 MiB intact, the losses
     resent selectively (multi-buffer frames lost whole)."""
     env.eps(payload)
-    env.faults({"loss_ppm": 10000}, {"loss_ppm": 10000})
+    env.lk.faults({"loss_ppm": 10000}, {"loss_ppm": 10000})
     try:
         pl, sa, sb = write(env, 1, 16 << 20, timeout=120)
-        lost = env.link_counters("b")["drop_loss"]
+        lost = env.lk.counters("b")["drop_loss"]
     finally:
-        env.faults({}, {})
+        env.lk.faults({}, {})
     print("payload %d, 1%% loss: %d packets, %d dropped, %d resent" % (pl, sa["tx_pkts"] - sa["rtx_pkts"],
                                                                       lost, sa["rtx_pkts"]))
     assert lost > 0 and sa["rtx_pkts"] >= lost * 0.5 and sa["rtx_pkts"] <= 2 * lost + 64, (lost, sa)
@@ -200,12 +170,12 @@ def test_trim_multibuffer(env):
     """The link model trims multi-buffer frames (the frags shrunk away, headers kept):
     NACK TRIMMED, resent at once; 8 MiB intact."""
     env.eps(4096)
-    env.faults({"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000, "ecn": True, "trim": True})
+    env.lk.faults({"rate_bps": 400_000_000, "ecn_bytes": 20000, "trim_bytes": 60000, "ecn": True, "trim": True})
     try:
         pl, sa, sb = write(env, 2, 8 << 20, timeout=120)
-        lc = env.link_counters("b")
+        lc = env.lk.counters("b")
     finally:
-        env.faults({}, {})
+        env.lk.faults({}, {})
     print("trim at 4096: trimmed %d, nacks %d, resent %d" % (lc["trimmed"], sa["nacks_rx_trim"], sa["rtx_nack_trim"]))
     assert lc["trimmed"] > 0 and sa["nacks_rx_trim"] > 0 and sa["rtx_nack_trim"] > 0
 
@@ -370,13 +340,13 @@ def test_send_without_copy_from_umem_mr(env, payload):
         st = qa.stats()
         assert A.stats()["tx_inplace"] == st["tx_pkts"] > 0 and A.stats()["xsk_tx_invalid"] == 0
         # under loss: resends go in place too
-        env.faults({"loss_ppm": 10000}, {"loss_ppm": 10000})
+        env.lk.faults({"loss_ppm": 10000}, {"loss_ppm": 10000})
         try:
             env.dst[:size] = bytes(size)
             qa.post_write(9, ma, 0, size, mb.addr, mb.rkey, imm=9)
             ca, cb = A.cq.wait_blocking(timeout=60), B.cq.wait_blocking(timeout=10)
         finally:
-            env.faults({}, {})
+            env.lk.faults({}, {})
         assert [c.ok for c in ca] == [True] and bytes(env.dst[:size]) == data
         st = qa.stats()
         assert st["rtx_pkts"] > 0 and A.stats()["tx_inplace"] == st["tx_pkts"]
