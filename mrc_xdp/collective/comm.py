@@ -42,8 +42,6 @@ from mrc_xdp import transport
 from mrc_xdp.collective.reduce import ReduceOp, divide, dtype_name, reduce_into
 
 CREDIT = 1 << 31
-# the oldest PSN's send slot (mrc_qp_stats.una_state & 3; enum TXP_* in engine.c)
-_SLOT = ("none", "in flight", "acked", "lost")
 
 
 class CollectiveError(RuntimeError):
@@ -191,7 +189,7 @@ class Communicator:
                     (s.get("next_psn", 0) - s.get("una_psn", 0)) & 0xFFFFFF, s.get("una_psn", 0),
                     s.get("rx_pkts", 0), s.get("rx_dup", 0), s.get("rcv_cack", 0), s.get("sacks_rx", 0),
                     s.get("nacks_rx_trim", 0), s.get("sacks_tx", 0), s.get("nacks_tx_trim", 0),
-                    _SLOT[s.get("una_state", 0) & 3] + (" (queued)" if s.get("una_state", 0) & 4 else ""),
+                    transport.send_slot_name(s.get("una_state", 0)),
                     s.get("rtx_queued", 0), s.get("inflight", 0), s.get("cwnd", 0), s.get("pace_wait_ns", 0) // 1000,
                     e.get("out_of_window", 0), e.get("trimmed", 0), e.get("bad_icrc", 0), e.get("xsk_rx_dropped", 0),
                     e.get("xsk_rx_ring_full", 0), e.get("xsk_fill_empty", 0)))

@@ -13,10 +13,10 @@ Depends on ``mrc_xdp.datapath`` only.
 from mrc_xdp.transport.endpoint import (  # noqa: F401 - the package's API
     ACCESS_LOCAL, ACCESS_REMOTE_WRITE, CQ, DATA_OVERHEAD, MR, PAYLOAD_ALIGN, QP, QP_STATS_DIR,
     TSETH_LEN, XSKMAP, Completion, Endpoint, QpState, TransportError, WcOpcode, WcStatus,
-    default_payload, icrc, local_addr, published_qps)
+    default_payload, icrc, local_addr, published_qps, send_slot_name)
 
 __all__ = [
     "ACCESS_LOCAL", "ACCESS_REMOTE_WRITE", "CQ", "DATA_OVERHEAD", "MR", "PAYLOAD_ALIGN", "QP",
     "QP_STATS_DIR", "TSETH_LEN", "XSKMAP", "Completion", "Endpoint", "QpState",
     "TransportError", "WcOpcode", "WcStatus", "default_payload", "icrc", "local_addr",
-    "published_qps"]
+    "published_qps", "send_slot_name"]

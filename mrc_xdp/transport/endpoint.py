@@ -87,6 +87,16 @@ class QpState(enum.IntEnum):
     DESTROYED = 4
 
 
+def send_slot_name(una_state: int) -> str:
+    """A QP's stats()["una_state"] in words: its oldest unacknowledged PSN's send slot,
+    named from engine.h's enum mrc_txp_state (MRC_TXP_IN_FLIGHT: "in flight"), with
+    " (queued)" while it waits in the resend queue (MRC_TXP_QUEUED)."""
+    ffi, lib = _engine()
+    names = ffi.typeof("enum mrc_txp_state").elements          # value -> MRC_TXP_...
+    name = names[una_state & (lib.MRC_TXP_QUEUED - 1)][len("MRC_TXP_"):].lower().replace("_", " ")
+    return name + (" (queued)" if una_state & lib.MRC_TXP_QUEUED else "")
+
+
 @dataclass(frozen=True)
 class Completion:
     wr_id: int              # the sender's wr_id; 0 for receive completions

@@ -343,15 +343,13 @@ struct wr {
 	int started;
 };
 
-enum { TXP_FREE = 0, TXP_INFLIGHT, TXP_ACKED, TXP_LOST };
-
 struct txp {                 /* one sent PSN (slot psn & (win - 1)) */
 	struct wr *wr;
 	uint64_t off;            /* offset of its payload in the WR */
 	uint64_t tx_ns;
 	uint64_t txseq;          /* the QP's send order of the last transmission */
 	uint32_t psn, len;
-	uint8_t state, nsent, queued, last;
+	uint8_t state, nsent, queued, last;   /* state: enum mrc_txp_state (engine.h) */
 	uint8_t rto;             /* resent by the RTO: 1 (AckReq), 2 (its probe of a repeated
 	                          * expiry: AckReq, and sent twice) */
 };
@@ -772,7 +770,7 @@ static void fill_qp_stats(struct qp *q, struct mrc_qp_stats *s)
 		uint64_t now = now_ns();
 
 		if (q->snd_una != q->snd_next && u->psn == q->snd_una)
-			s->una_state = u->state + 4 * u->queued;
+			s->una_state = u->state + MRC_TXP_QUEUED * u->queued;
 		s->pace_wait_ns = q->pace_ns > now ? q->pace_ns - now : 0;
 	}
 	s->rtx_queued = q->rtx_tail - q->rtx_head;
@@ -1234,7 +1232,7 @@ sent:
 	t->tx_ns = now;                          /* the stamp's clock read (one per packet) */
 	t->txseq = q->txseq++;
 	t->nsent++;
-	t->state = TXP_INFLIGHT;
+	t->state = MRC_TXP_IN_FLIGHT;
 	q->inflight += t->len ? t->len : 1;
 	q->st.tx_pkts++;
 	q->st.tx_bytes += t->len;
@@ -1520,9 +1518,9 @@ static void rtx_queue(struct qp *q, struct txp *t)
 
 static void mark_lost(struct qp *q, struct txp *t)
 {
-	if (t->state != TXP_INFLIGHT)
+	if (t->state != MRC_TXP_IN_FLIGHT)
 		return;
-	t->state = TXP_LOST;
+	t->state = MRC_TXP_LOST;
 	q->inflight -= t->len ? t->len : 1;
 	rtx_queue(q, t);
 }
@@ -1531,11 +1529,11 @@ static uint64_t ack_one(struct qp *q, uint32_t psn)
 {
 	struct txp *t = &q->tx[psn & q->mask];
 
-	if (t->psn != psn || (t->state != TXP_INFLIGHT && t->state != TXP_LOST))
+	if (t->psn != psn || (t->state != MRC_TXP_IN_FLIGHT && t->state != MRC_TXP_LOST))
 		return 0;
-	if (t->state == TXP_INFLIGHT)
+	if (t->state == MRC_TXP_IN_FLIGHT)
 		q->inflight -= t->len ? t->len : 1;
-	t->state = TXP_ACKED;
+	t->state = MRC_TXP_ACKED;
 	t->wr->acked++;
 	return t->len;
 }
@@ -1681,9 +1679,9 @@ static void advance_una(struct mrc_eng *e, struct qp *q, uint64_t now)
 	while (q->snd_una != q->snd_next) {
 		struct txp *t = &q->tx[q->snd_una & q->mask];
 
-		if (t->psn != q->snd_una || t->state != TXP_ACKED)
+		if (t->psn != q->snd_una || t->state != MRC_TXP_ACKED)
 			break;
-		t->state = TXP_FREE;
+		t->state = MRC_TXP_FREE;
 		q->snd_una = (q->snd_una + 1) & PSN_MASK;
 	}
 	if (old != q->snd_una) {
@@ -1731,13 +1729,13 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	trig = (cack + aoff) & PSN_MASK;
 	base = (cack + soff) & PSN_MASK;
 	tt = &q->tx[trig & q->mask];
-	if (psn_sub(trig, q->snd_una) < span && tt->psn == trig && tt->state != TXP_FREE) {
+	if (psn_sub(trig, q->snd_una) < span && tt->psn == trig && tt->state != MRC_TXP_FREE) {
 		trig_known = 1;
 		trig_seq = tt->txseq;
 		trig_ns = tt->tx_ns;
 		if (trig_seq > q->rack_seq)
 			q->rack_seq = trig_seq;
-		if (tt->nsent == 1 && tt->state == TXP_INFLIGHT)
+		if (tt->nsent == 1 && tt->state == MRC_TXP_IN_FLIGHT)
 			rtt = now - tt->tx_ns;   /* Karn: never from a retransmitted packet */
 	}
 	for (p = q->snd_una; p != cack; p = (p + 1) & PSN_MASK)
@@ -1778,7 +1776,7 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 		if (gap && gap < span && (int64_t)hi_eff + gap >= reo) {
 			struct txp *t = &q->tx[cack & q->mask];
 
-			if (t->psn == cack && t->state == TXP_INFLIGHT && t->txseq < trig_seq &&
+			if (t->psn == cack && t->state == MRC_TXP_IN_FLIGHT && t->txseq < trig_seq &&
 			    (!wnd || trig_ns > t->tx_ns + wnd)) {
 				mark_lost(q, t);
 				q->st.rtx_sack++;
@@ -1793,7 +1791,7 @@ static void rx_sack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 			if (psn_sub(p, cack) >= PSN_HALF || psn_sub(p, q->snd_una) >= span)
 				continue;
 			t = &q->tx[p & q->mask];
-			if (t->psn == p && t->state == TXP_INFLIGHT && t->txseq < trig_seq &&
+			if (t->psn == p && t->state == MRC_TXP_IN_FLIGHT && t->txseq < trig_seq &&
 			    (!wnd || trig_ns > t->tx_ns + wnd)) {
 				mark_lost(q, t);
 				q->st.rtx_sack++;
@@ -1820,14 +1818,14 @@ static void rx_nack(struct mrc_eng *e, struct qp *q, const uint8_t *h)
 	/* A NACK names one PSN we sent and have not seen acknowledged; any other changes
 	 * nothing, whatever its reason (a forger who knows only the QPN must not end the QP). */
 	if (psn_sub(psn, q->snd_una) >= span || t->psn != psn ||
-	    (t->state != TXP_INFLIGHT && t->state != TXP_LOST)) {
+	    (t->state != MRC_TXP_IN_FLIGHT && t->state != MRC_TXP_LOST)) {
 		e->st.fb_oow++;
 		return;
 	}
 	now = now_ns();
 	fb_seen(q, now);
 	if (why == MRC_NACK_TRIMMED || why == MRC_NACK_TRIMMED_LASTHOP) {
-		if (t->state != TXP_INFLIGHT)
+		if (t->state != MRC_TXP_IN_FLIGHT)
 			return;
 		/* resent less than an RTT ago: the NACK (or its repeated copy) is about
 		 * an earlier transmission, already resent */
@@ -2103,7 +2101,7 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 			uint32_t psn = q->rtxq[q->rtx_head & (2 * q->win - 1)];
 
 			t = &q->tx[psn & q->mask];
-			if (t->psn != psn || t->state != TXP_LOST) {
+			if (t->psn != psn || t->state != MRC_TXP_LOST) {
 				t->queued = t->psn == psn ? 0 : t->queued;
 				q->rtx_head++;
 				continue;
@@ -2155,7 +2153,7 @@ static int qp_tx(struct mrc_eng *e, struct qp *q, uint64_t now)
 				w->first_psn = q->snd_next;
 			}
 			if (send_data(e, q, t, 0)) {
-				t->state = TXP_FREE;
+				t->state = MRC_TXP_FREE;
 				break;
 			}
 			cc_pace_sent(e, q, len, now);
@@ -2222,7 +2220,7 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		for (p = q->snd_una; p != q->snd_next; p = (p + 1) & PSN_MASK) {
 			struct txp *t = &q->tx[p & q->mask];
 
-			if (t->psn == p && t->state == TXP_INFLIGHT &&
+			if (t->psn == p && t->state == MRC_TXP_IN_FLIGHT &&
 			    (p == q->snd_una || (q->retries > 1 && t->tx_ns + q->rto <= now &&
 			                         (silent || t->txseq < q->rack_seq)))) {
 				t->rto = 1;
@@ -2233,7 +2231,7 @@ static void qp_timers(struct mrc_eng *e, struct qp *q, uint64_t now, uint64_t *n
 		if (q->retries > 1) {        /* the probe: sent twice when it goes out */
 			struct txp *u = &q->tx[q->snd_una & q->mask];
 
-			if (u->psn == q->snd_una && u->state == TXP_LOST)
+			if (u->psn == q->snd_una && u->state == MRC_TXP_LOST)
 				u->rto = 2;
 		}
 		q->rto = q->rto * 2 > (uint64_t)e->o.rto_max_us * 1000 ? (uint64_t)e->o.rto_max_us * 1000 : q->rto * 2;

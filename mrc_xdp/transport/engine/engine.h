@@ -11,7 +11,7 @@
  * (mrc_eng_cq_fd) is readable while completions are pending.
  *
  * Wire layouts, opcodes and sizes come from bpf/mrc_shared.h (one declaration).
- * cffi reads this header too: only plain types and integer #defines here.
+ * cffi reads this header too: only plain types, enums and integer #defines here.
  */
 #ifndef MRC_ENGINE_H
 #define MRC_ENGINE_H
@@ -37,6 +37,11 @@
 #define MRC_QPS_INIT  1             /* created, not connected */
 #define MRC_QPS_RTS   2             /* connected: sends and receives */
 #define MRC_QPS_ERR   3
+
+/* A sent PSN's send slot (mrc_qp_stats.una_state: the oldest unacknowledged PSN's, plus
+ * MRC_TXP_QUEUED while it waits in the resend queue).  Python names them from here. */
+enum mrc_txp_state { MRC_TXP_FREE = 0, MRC_TXP_IN_FLIGHT, MRC_TXP_ACKED, MRC_TXP_LOST };
+#define MRC_TXP_QUEUED 4            /* a bit above every state */
 
 /* NACK reason for a refused R_Key / range (no MRC code for it: UET's UNEXP_EVENT, with
  * vendor_info MRC_ENG_VI_ACCESS). */
@@ -254,8 +259,8 @@ struct mrc_qp_stats {
 	uint64_t reo_wnd_ns;        /* the time-based loss rule's reorder window (timestamps=1) */
 	uint64_t nacks_rx_stale;    /* NACK TRIMMED of a PSN resent since (the receiver sends
 	                             * each twice, on two planes): ignored */
-	uint64_t una_state;         /* the oldest unacknowledged PSN's send slot: 0 free,
-	                             * 1 in flight, 2 acked, 3 lost; + 4 when queued for resend */
+	uint64_t una_state;         /* the oldest unacknowledged PSN's send slot (enum
+	                             * mrc_txp_state), + MRC_TXP_QUEUED when queued for resend */
 	uint64_t rtx_queued;        /* entries in the resend queue (stale ones included) */
 	uint64_t pace_wait_ns;      /* how far ahead of now the pacer holds the next send */
 	uint64_t sacks_tx_ecn;      /* receiver: SACKs sent with M=SKIP_ONCE (CE echoed) */
