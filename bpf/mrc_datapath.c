@@ -403,35 +403,61 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 }
 
 /*
- * The cumulative ack moved from c->fb_cack past it to cack.  If the time-based rule had
- * judged that PSN (the oldest one outstanding: a late packet holds the cumulative ack
- * back) lost (MRC_PSNF_JUDGED) and it was not resent since (MRC_PSNF_LOST still set), or
- * was resent less than a min RTT ago (too recently for the resend to be what arrived),
- * it arrived by its first send: late, not lost.  The reorder window then widens a step
- * (sack_clock), one step per RTT at most: this fabric and these CPUs reorder more than
- * the RTT samples show (a descheduled NAPI, a busy core).  RACK widens its window on
- * D-SACKs the same way.  The EV it blamed stays retired until the health daemon's
- * probes bring it back.  One entry, no loop: the verifier's budget for ingress is spent.
+ * Packets the time-based rule judged lost (MRC_PSNF_JUDGED) that arrived after all: the
+ * reorder window then widens a step (sack_clock), one step per RTT at most: this fabric
+ * and these CPUs reorder more than the RTT samples show (a descheduled NAPI, a T1 that
+ * carries a whole plane while its twin is dead).  RACK widens its window on D-SACKs the
+ * same way.  The EV it blamed stays retired until the health daemon's probes bring it
+ * back.  Three proofs, each one entry (no loop: ingress's verifier budget is spent):
+ *  - the cumulative ack passed the PSN it held back (c->fb_cack, the oldest outstanding)
+ *    while it was not resent (MRC_PSNF_LOST still set) or resent less than a min RTT ago
+ *    (too recently for the resend to be what arrived);
+ *  - the PSN the rule judged last (c->judged), anywhere in the window, shows up in this
+ *    SACK (its bitmap bit, or below the cumulative ack) before any resend of it;
+ *  - the SACK's trigger (ape) is a judged PSN whose entry a resend took, and the SACK
+ *    reflects an older timestamp than that resend's: the receiver SACKs a duplicate at
+ *    once, dated by it, so the send judged lost has arrived (the usual proof when the
+ *    engine resent first).
  */
-static __always_inline void late_arrival(__u32 cid, struct mrc_conn *c, __u32 cack)
+static __always_inline void late_arrival(__u32 cid, struct mrc_conn *c, __u32 cack, __u32 base,
+					 __u64 bitmap, struct mrc_psn_ent *ape, __u32 refl)
 {
-	__u32 from = c->fb_cack, n = psn_diff(cack, from), d;
-	struct mrc_psn_ent *pe;
+	__u32 from = c->fb_cack, n = psn_diff(cack, from), d, j = c->judged, off;
+	struct mrc_psn_ent *pe = 0;
 	__u64 now;
 
-	if (!n || (n & 0x800000))       /* nothing passed (an older or the same SACK) */
-		return;
-	c->fb_cack = cack;
-	pe = psn_sent(cid, c->psn_hi, from);
-	if (!pe || !(pe->flags & MRC_PSNF_JUDGED))
+	if ((ape->flags & MRC_PSNF_JUDGED) && !(ape->flags & MRC_PSNF_LOST) && refl && ape->ts &&
+	    (__s16)(ape->ts - refl) > 0)
+		pe = ape;               /* an earlier send than the resend in the entry arrived */
+	if (!pe && (j & MRC_JUDGED_VALID)) {
+		j &= 0xFFFFFF;
+		off = psn_diff(j, base);
+		if ((psn_diff(j, cack) & 0x800000) || (off < 64 && ((bitmap >> (off & 63)) & 1))) {
+			c->judged = 0;
+			pe = psn_sent(cid, c->psn_hi, j);
+			if (pe && (pe->flags & (MRC_PSNF_JUDGED | MRC_PSNF_LOST)) !=
+				  (MRC_PSNF_JUDGED | MRC_PSNF_LOST))
+				pe = 0;         /* resent (or judged again since): either may be it */
+		}
+	}
+	if (n && !(n & 0x800000)) {
+		c->fb_cack = cack;
+		if (!pe) {
+			pe = psn_sent(cid, c->psn_hi, from);
+			if (pe && !(pe->flags & MRC_PSNF_JUDGED))
+				pe = 0;
+			if (pe && !(pe->flags & MRC_PSNF_LOST)) {       /* resent: how long ago? */
+				d = ((__u32)(bpf_ktime_get_ns() / MRC_TS_UNIT_NS) - pe->ts) & 0xFFFF;
+				if (d >= c->min_rtt)
+					pe = 0;  /* the resend may be what arrived; the mark
+						  * stays for the first send's duplicate */
+			}
+		}
+	}
+	if (!pe)
 		return;
 	pe->flags &= ~MRC_PSNF_JUDGED;
 	now = bpf_ktime_get_ns();
-	if (!(pe->flags & MRC_PSNF_LOST)) {     /* resent: how long ago? */
-		d = ((__u32)(now / MRC_TS_UNIT_NS) - pe->ts) & 0xFFFF;
-		if (d >= c->min_rtt)
-			return;                 /* the resend may be what arrived */
-	}
 	ctr_inc(MRC_C_ING_LATE);
 	if (c->reo_steps < MRC_REO_STEPS_MAX &&
 	    now - c->reo_ns > (__u64)(c->min_rtt + c->rtt_spread) * MRC_TS_UNIT_NS) {
@@ -506,6 +532,8 @@ static __always_inline void sack_losses(__u32 cid, struct mrc_conn *c, struct mr
 			why = MRC_R_LOSS_PSN;
 		}
 		pe->flags |= MRC_PSNF_LOST | (why == MRC_R_LOSS ? MRC_PSNF_JUDGED : 0);
+		if (why == MRC_R_LOSS)
+			c->judged = MRC_JUDGED_VALID | psn;     /* late_arrival watches it */
 		lost_ev[nlost & (MRC_LOSS_BATCH - 1)] = pe->ev;
 		cc->why[nlost & (MRC_LOSS_BATCH - 1)] = why;
 		nlost++;
@@ -581,10 +609,12 @@ static __always_inline int feedback(struct xdp_md *ctx, struct mrc_pkt *p, struc
 			ctr_inc(MRC_C_ING_FB_OOW);
 			return 1;
 		}
-		late_arrival(cid, c, cack);
+		__u32 refl = ((__u32)h[MRC_SETH_LEN] << 8) | h[MRC_SETH_LEN + 1];
+
+		late_arrival(cid, c, cack, base, bitmap, ape, refl);
 		/* The bitmap speaks for the connection, whatever EV the SACK echoes. */
 		sack_losses(cid, c, cfg, cack, base, bitmap, hb, ape->txseq,
-			    sack_clock(c, cfg, ape, ((__u32)h[MRC_SETH_LEN] << 8) | h[MRC_SETH_LEN + 1]),
+			    sack_clock(c, cfg, ape, refl),
 			    get32(h + 4), ((h[1] >> MRC_SETH_M_SHIFT) & MRC_SETH_M_MASK) == MRC_M_ALWAYS_SKIP);
 	} else {
 		ape = c->txseq ? psn_sent(cid, hi, get24(h + 13)) : 0;

@@ -286,8 +286,11 @@ struct mrc_conn {
 	                         * D-SACKs the same way) */
 	__u64 reo_ns;           /* bpf_ktime_get_ns() of the last step up or down */
 	__u32 fb_cack;          /* the newest cumulative ack seen in a SACK (ingress) */
-	__u32 rsvd;
+	__u32 judged;           /* MRC_JUDGED_VALID | the PSN the time-based rule judged lost
+	                         * last (ingress): a later SACK that shows it arrived before
+	                         * any resend of it proves it late (late_arrival) */
 };
+#define MRC_JUDGED_VALID 0x80000000
 
 struct mrc_ev {
 	__u32 ev;               /* EV[31:16] -> UDP sport, EV[15:0] -> flow label */

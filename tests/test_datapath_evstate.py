@@ -590,13 +590,82 @@ def test_late_packet_widens_the_reorder_window(ecmp, resend, late):
     else:
         assert "ing_late" not in d and "ing_reo_grow" not in d, d
         assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
-    assert env.psn_entry(CONN_A, PSN0).flags & const("MRC_PSNF_JUDGED") == 0, "counted once"
+    # counted once; after an older resend the mark stays for a duplicate of the first send
+    # (test_duplicate_of_a_judged_first_send_widens_the_window)
+    assert bool(env.psn_entry(CONN_A, PSN0).flags & const("MRC_PSNF_JUDGED")) == (not late)
     if resend is None:
         time.sleep(1.1)     # MRC_REO_DECAY_NS without another: one step back
         _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
             cc={"tx_ts": (now() - 5000) & 0xFFFF})
         c = _conn_rt(env)
         assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
+
+
+@pytest.mark.parametrize("how,late", [("in-bitmap", True), ("below-cack", True), ("resent-first", False)])
+def test_judged_packet_seen_later_widens_the_window(ecmp, how, late):
+    """The PSN the time rule judged lost last (c->judged), not the one holding the
+    cumulative ack back, shows up in a later SACK (its bitmap bit, or the cumulative ack
+    passed it) with no resend of it since: it was late.  The window widens a step, once.
+    Resent in between, either send may be what arrived: no step.  (No reflected
+    timestamps: nothing here depends on the clock.)"""
+    env = ecmp
+    wnd = env.cfg.loss_window_us
+    hole = 3
+    carried = _spray_stamped(env, lambda i: TS0 + (0 if i <= hole else wnd + 1000))
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, carried[PSN0], x)
+    # PSN0 and PSN0+hole missing: both judged (PSN0 holds the cumulative ack back)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([0, hole]))
+    assert d.get("ing_loss") == 2, d
+    assert _conn_rt(env).judged == const("MRC_JUDGED_VALID") | (PSN0 + hole)
+    if how == "resent-first":
+        ret, _ = env.run("spray", data(PSN0 + hole, ts=(TS0 + wnd + 2000) & 0xFFFF, rtx=True))
+        assert ret == XDP_REDIRECT
+    for again in (False, True):     # the SACK again: counted once
+        if how == "below-cack":
+            d = _fb(env, "sack", echo, cack_psn=PSN0 + NPSN, ack_psn_offset=-1)
+        else:                   # PSN0 still missing: the cumulative ack stays
+            d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([0]))
+        c = _conn_rt(env)
+        assert c.judged == 0 and c.reo_steps == int(late), (c.judged, c.reo_steps)
+        if late and not again:
+            assert (d.get("ing_late"), d.get("ing_reo_grow")) == (1, 1), d
+            assert env.psn_entry(CONN_A, PSN0 + hole).flags & const("MRC_PSNF_JUDGED") == 0
+        else:
+            assert "ing_late" not in d, d
+
+
+@pytest.mark.parametrize("refl_first", [True, False], ids=["first-send-arrived", "resend-arrived-twice"])
+def test_duplicate_of_a_judged_first_send_widens_the_window(ecmp, refl_first):
+    """The engine resent a judged hole (the resend takes the ring entry) and the resend
+    filled it; then the first send arrives after all.  The receiver SACKs the duplicate
+    at once, its PSN the trigger and its timestamp reflected: older than the resend's in
+    the entry, so the send judged lost was late, and the window widens a step, once.  A
+    reflection of the resend itself proves nothing."""
+    env = ecmp
+    wnd = env.cfg.loss_window_us
+    hole = 3
+    carried = _spray_stamped(env, lambda i: TS0 + (0 if i <= hole else wnd + 1000))
+    x = carried[PSN0 + hole]
+    echo = _other_ev(env, x)
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([hole]))
+    assert d == dict(ING_FB, ing_sack=1, **TIME_LOSS), d
+    resend_ts = (TS0 + wnd + 2000) & 0xFFFF
+    ret, _ = env.run("spray", data(PSN0 + hole, ts=resend_ts, rtx=True))
+    assert ret == XDP_REDIRECT
+    assert env.psn_entry(CONN_A, PSN0 + hole).flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_JUDGED")
+    # the resend filled the hole (the cumulative ack passed it) ...
+    d = _fb(env, "sack", echo, cack_psn=PSN0 + NPSN, ack_psn_offset=-1)
+    assert "ing_late" not in d, d
+    # ... then a duplicate of PSN0+hole triggers SACKs (the receiver sends two)
+    for again in (False, True):
+        d = _fb(env, "sack", x, cack_psn=PSN0 + NPSN, ack_psn_offset=hole - NPSN,
+                cc={"tx_ts": TS0 if refl_first else resend_ts})
+        assert _conn_rt(env).reo_steps == int(refl_first)
+        if refl_first and not again:
+            assert (d.get("ing_late"), d.get("ing_reo_grow")) == (1, 1), d
+        else:
+            assert "ing_late" not in d, d
 
 
 def test_retirements_counted_by_why(ecmp):

@@ -398,6 +398,45 @@ def run_failover(args, out):
                     "where": {r["ev"]: (r["plane"], r["t1"]) for r in rows0 if r["conn_name"] == "h2"}}
         crossing["bad_before"] = dict(collections.Counter(
             "p%dt1s%d" % (r["plane"], r["t1"]) for r in rows0 if r["conn_name"] == "h2" and r["state"] != "GOOD"))
+        # every link's counters at the fault, the heal and the end: where the fabric dropped,
+        # trimmed or marked, beside what the datapath retired
+        ends = [(n, rx.ifindex) for n, rx, _, _ in topo.link_ends()]
+        from mrc_xdp.datapath.maps import Instance
+        h0i, h2i = Instance(prefix + "h0"), Instance(prefix + "h2")
+
+        def ethtool(ns, dev):
+            r = subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-S", dev], capture_output=True, text=True)
+            return {k.strip(): int(v) for k, _, v in (ln.partition(":") for ln in r.stdout.splitlines()[1:])
+                    if v.strip().isdigit()}
+
+        def kdrops():
+            # the kernel's own drops on every lab interface (a veth's ring full under a
+            # burst, a backlog): losses the link model never sees
+            out = {}
+            nss = subprocess.run(["ip", "-j", "netns", "list"], capture_output=True, text=True).stdout
+            for ns in json.loads(nss or "[]"):
+                if not ns["name"].startswith(prefix):
+                    continue
+                r = subprocess.run(["ip", "-n", ns["name"], "-j", "-s", "link", "show"], capture_output=True, text=True)
+                for ln in json.loads(r.stdout or "[]"):
+                    st = ln.get("stats64", {})
+                    out["%s:%s" % (ns["name"][len(prefix):], ln["ifname"])] = (
+                        st.get("rx", {}).get("dropped", 0) + st.get("tx", {}).get("dropped", 0))
+            return out
+
+        def snap():
+            d = {n: lm.counters(i) for n, i in ends}
+            d["kernel drops"] = kdrops()
+            d["h0 datapath"] = h0i.counters()
+            # the engines' own receive-side losses: AF_XDP ring overflows, window drops
+            d["h2 engine"] = {k: v for k, v in eps["h2"].stats().items() if isinstance(v, int)}
+            d["h2 qp"] = {k: v for k, v in mrc.qd.stats().items() if isinstance(v, int)}
+            d["h2 datapath"] = h2i.counters()
+            for h in ("h0", "h2"):
+                for dev in ("mrc0", "mrc0p", "p0", "p1"):
+                    d["%s %s" % (h, dev)] = ethtool(prefix + h, dev)
+            return d
+        link_snaps = [snap()]
         fault_ns = time.monotonic_ns()
         for i in t1_ends:
             lm.update(i, blackhole=True)
@@ -408,6 +447,7 @@ def run_failover(args, out):
         crossing["retired_at_heal"] = dict(collections.Counter(
             "p%dt1s%d" % (r["plane"], r["t1"]) for r in rows_heal if r["conn_name"] == "h2"
             and r["state"] == "ASSUMED_BAD" and r["ev"] not in bad0))
+        link_snaps.append(snap())
         heal_ns = time.monotonic_ns()
         for i in t1_ends:
             lm.update(i, blackhole=False)
@@ -419,6 +459,10 @@ def run_failover(args, out):
             if back_ns is None and not retired:
                 back_ns = time.monotonic_ns()
             time.sleep(0.005)
+        link_snaps.append(snap())
+        crossing["links"] = link_deltas(link_snaps)
+        h0i.close()
+        h2i.close()
         sampler.stop.set()
         sampler.join()
         for p in procs[2:]:
@@ -446,6 +490,22 @@ def run_failover(args, out):
         fabric.down(prefix, unload_hosts=hosts.unload_all)
         _cleanup(tmp)
     return res
+
+
+def link_deltas(snaps):
+    """{"fault": {link: {counter: delta}}, "after": ...}: the links that dropped (not by
+    the blackhole), trimmed or marked a packet during the fault and after the heal, and the
+    sender's datapath counters that moved."""
+    out = {}
+    for phase, a, b in (("fault", snaps[0], snaps[1]), ("after", snaps[1], snaps[2])):
+        rows = {}
+        for name, c in b.items():
+            keys = c if " " in name else ("marked", "trimmed", "drop_queue", "drop_loss", "drop_flap")
+            d = {k: c[k] - a[name][k] for k in keys}
+            if any(d.values()):
+                rows[name] = {k: v for k, v in d.items() if v}
+        out[phase] = rows
+    return out
 
 
 def _cleanup(tmp: str) -> None:
@@ -513,6 +573,8 @@ def analyse(rows, fault_ns, heal_ns, hist, logs, mstats, back_ns, prober, t1, ar
                 r["evs_retired_not_crossing"] = len(mine - crossing["evs"])
                 r["evs_not_good_at_fault"] = crossing["bad_before"]
                 r["evs_retired_at_heal"] = crossing["retired_at_heal"]
+                r["fabric_links"] = crossing.get("links")
+                r["fault_monotonic_ns"] = fault_ns
                 r["evs_retired_where"] = dict(collections.Counter(
                     "p%dt1s%s" % crossing["where"].get(ev, (-1, "?")) for ev in mine))
             r["retired_by_reason"] = dict(collections.Counter(e["reason"] for e in retired))

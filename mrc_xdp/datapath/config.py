@@ -194,7 +194,10 @@ class HostConfig:
     fabric_dev: str = "mrc0p"
     udp_port: int = const("MRC_UDP_PORT_DEFAULT")
     loss_reorder: int = 32
-    loss_thresh: int = 1
+    # an EV is retired at its second loss since it last delivered: one lone loss on a
+    # live path (a packet reordered past the window on a busy host) retires nothing,
+    # a dead path's next packet retires it (docs/datapath.md, "Loss attribution")
+    loss_thresh: int = 2
     loss_window_us: int = LOSS_WINDOW_US
     loss_window_div: int = 4
     hop_limit: int = 64
@@ -235,7 +238,7 @@ class HostConfig:
         cfg.fabric_dev = _dev(d.get("fabric_dev", "mrc0p"), "fabric_dev")
         cfg.udp_port = _int(d.get("udp_port", cfg.udp_port), "udp_port", 1, 65535)
         cfg.loss_reorder = _int(d.get("loss_reorder", 32), "loss_reorder", 1, 63)
-        cfg.loss_thresh = _int(d.get("loss_thresh", 1), "loss_thresh", 1, 1 << 20)
+        cfg.loss_thresh = _int(d.get("loss_thresh", cfg.loss_thresh), "loss_thresh", 1, 1 << 20)
         cfg.loss_window_us = _int(d.get("loss_window_us", LOSS_WINDOW_US), "loss_window_us", 0,
                                   const("MRC_TS_WINDOW_MAX") - 1)
         cfg.loss_window_div = _int(d.get("loss_window_div", 4), "loss_window_div", 0, 1024)

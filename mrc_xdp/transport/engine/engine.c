@@ -1420,6 +1420,11 @@ static void rx_data(struct mrc_eng *e, struct qp *q, uint8_t *f, uint32_t ip_end
 		q->ack_ts = ts;
 		q->ack_now = 1;
 		q->ack_dup = 1;
+		/* SACKed now, not at the end of the batch, where the next packet would be
+		 * the trigger: a SACK triggered by the duplicate (its PSN, EV and reflected
+		 * timestamp) is how the sender's datapath learns that a send it judged lost
+		 * was only late (late_arrival in bpf/mrc_datapath.c) and widens its window */
+		send_sack(e, q);
 		return;
 	}
 	if (d >= q->win) {
