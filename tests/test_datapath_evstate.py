@@ -546,59 +546,125 @@ def test_time_window_adapts_to_the_rtt(ecmp):
             assert d.get("retire_loss") == 1 and env.state(CONN_A, x) == EvState.ASSUMED_BAD, d
 
 
-@pytest.mark.skip(reason="quarantined 2026-12-06: its 16-bit us stamps are Python's clock, and on "
-                  "this machine it failed 9 of 10 quiet runs at 21:50 UTC (the step not taken back "
-                  "after 1.1 s, or a window above the 5 ms floor) and once in a fresh-clone CI; cause "
-                  "not found (docs/testing.md, 'Quarantined')")
+def _set_conn(env, cid=CONN_A, **fields):
+    """Write fields of the connection's struct mrc_conn (run-time state) through the map."""
+    from mrc_xdp.datapath import shared
+    c = _conn_rt(env, cid)
+    for k, v in fields.items():
+        setattr(c, k, v)
+    env.maps["mrc_conns"].update(cid, shared.to_bytes(c))
+
+
+def _ts(ns):
+    """The 16-bit TS-unit stamp of a CLOCK_MONOTONIC time (bpf_ktime_get_ns's clock); never
+    0, which means "no timestamp" (one unit earlier instead)."""
+    return (ns // const("MRC_TS_UNIT_NS")) & 0xFFFF or 0xFFFF
+
+
+def _clocked(attempt, what, quick_ns=None):
+    """Run attempt(t0) -> (result, ok), t0 CLOCK_MONOTONIC (bpf_ktime_get_ns's clock) at
+    its start, until one returns ok within quick_ns of t0 (then every clock read of the
+    datapath in it was at most that late); that attempt's result.  A test process
+    descheduled too long in every one of 20 tries proves nothing either way: skip."""
+    for _ in range(20):
+        t0 = time.monotonic_ns()
+        res, ok = attempt(t0)
+        if ok and (quick_ns is None or time.monotonic_ns() - t0 < quick_ns):
+            return res
+    pytest.skip("%s: the test process was descheduled too long in each of 20 tries" % what)
+
+
 @pytest.mark.parametrize("resend,late", [(None, True), (0, True), (20000, False)],
                          ids=["not-resent", "resent-just-now", "resent-20ms-ago"])
 def test_late_packet_widens_the_reorder_window(ecmp, resend, late):
     """A packet the time rule judged lost whose PSN the cumulative ack then passes, with
-    no resend since (or one too recent to be what arrived: less than the min RTT ago),
-    arrived by its first send: late, not lost.  Ingress widens the reorder window a
-    step, (1 + reo_steps) x the RTT-based one (here the 5 ms floor, doubled); a second
-    without another takes the step back.  After a resend older than the min RTT the
-    resend may be what arrived: no step."""
+    no resend since (or one too recent to be what arrived: less than the min RTT ago,
+    here 10 ms), arrived by its first send: late, not lost.  Ingress widens the reorder
+    window a step, (1 + reo_steps) x the RTT-based one (here the floor, doubled); a
+    second (MRC_REO_DECAY_NS) without another takes the step back, at the next RTT
+    sample.  After a resend older than the min RTT the resend may be what arrived: no
+    step, and the mark stays for a duplicate of the first send.
+    Judging and passing the PSN uses no reflected timestamp (no RTT sample: the window
+    is the floor) and stamps relative to TS0; only the resend's age and the RTT samples
+    are on the real clock, each checked only when its attempt ran at once, and the
+    decay's second is written into reo_ns instead of slept."""
     env = ecmp
-    env.set_cfg(loss_window_us=5000, loss_window_div=0)     # the window: the 5 ms floor
+    env.set_cfg(loss_window_div=0)          # an RTT sample leaves the window at the floor
+    wnd = env.cfg.loss_window_us
     unit = const("MRC_TS_UNIT_NS")
-    n = 8               # few packets: the test's own time between stamps and SACKs stays
-                        # far below the 16-bit clock's half range (32 ms)
-
-    def now():
-        return time.monotonic_ns() // unit
-    t0 = now() - 8000   # PSN0 sent 8 ms ago, the rest 1 ms ago
-    x = _spray_stamped(env, lambda i: t0 + (7000 if i else 0), n=n)[PSN0]
+    min_rtt = 10000                         # TS units: 10 ms
+    n = 8
+    judged = const("MRC_PSNF_VALID") | const("MRC_PSNF_LOST") | const("MRC_PSNF_JUDGED")
+    x = _spray_stamped(env, lambda i: TS0 + (0 if i == 0 else wnd + 1000), n=n)[PSN0]
     echo = _other_ev(env, x)
-    # PSN0 missing, sent 7 ms before the trigger: judged lost (RTT sample 5 ms: the min)
-    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([0], n),
-            cc={"tx_ts": (now() - 5000) & 0xFFFF})
-    assert d == dict(ING_FB, ing_sack=1, ing_rtt=1, **TIME_LOSS), d
-    assert env.psn_entry(CONN_A, PSN0).flags == \
-        const("MRC_PSNF_VALID") | const("MRC_PSNF_LOST") | const("MRC_PSNF_JUDGED")
+    # PSN0 missing, sent more than the window before the trigger: judged lost
+    d = _fb(env, "sack", echo, cack_psn=PSN0, bitmap=_sack_bitmap([0], n))
+    assert d == dict(ING_FB, ing_sack=1, **TIME_LOSS), d
+    assert env.psn_entry(CONN_A, PSN0).flags == judged
+    c = _conn_rt(env)
+    assert (c.reo_steps, c.min_rtt, c.reo_ns) == (0, 0, 0), (c.reo_steps, c.min_rtt, c.reo_ns)
     if resend is not None:
-        ret, _ = env.run("spray", data(PSN0, ts=(now() - resend) & 0xFFFF, rtx=True))
-        assert ret == XDP_REDIRECT
-        assert env.psn_entry(CONN_A, PSN0).flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_JUDGED")
-    # everything arrived: the cumulative ack passes PSN0
-    d = _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
-            cc={"tx_ts": (now() - 5000) & 0xFFFF})
+        _set_conn(env, min_rtt=min_rtt)     # as if sampled: no SACK here samples RTT
+    conn0 = env.maps["mrc_conns"].lookup(CONN_A)
+    k0 = CONN_A * const("MRC_PSN_RING") + PSN0 % const("MRC_PSN_RING")
+    ent0 = env.maps["mrc_psn"].lookup(k0)
+
+    def pass_psn0(t0):
+        """(Resend PSN0 stamped resend us before t0, then) a SACK whose cumulative ack
+        passes PSN0 (everything arrived), no reflected timestamp."""
+        env.maps["mrc_conns"].update(CONN_A, conn0)     # a retry starts where the first did
+        env.maps["mrc_psn"].update(k0, ent0)
+        if resend is not None:
+            ret, _ = env.run("spray", data(PSN0, ts=_ts(t0 - resend * unit), rtx=True))
+            assert ret == XDP_REDIRECT
+            assert env.psn_entry(CONN_A, PSN0).flags == const("MRC_PSNF_VALID") | const("MRC_PSNF_JUDGED")
+        return _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1), True
+
+    # resent at t0, judged at most 5 ms later: less than the min RTT ago; resent 20 ms
+    # before t0: at least the min RTT ago, and less than the 16-bit clock's 65 ms
+    d = _clocked(pass_psn0, "the resend's age", min_rtt * unit // 2)
     c = _conn_rt(env)
     if late:
         assert (d.get("ing_late"), d.get("ing_reo_grow")) == (1, 1), d
-        assert (c.reo_steps, c.reo_wnd) == (1, 10000), (c.reo_steps, c.reo_wnd)
+        assert c.reo_steps == 1 and c.reo_ns > 0, (c.reo_steps, c.reo_ns)
     else:
         assert "ing_late" not in d and "ing_reo_grow" not in d, d
-        assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
+        assert (c.reo_steps, c.reo_ns) == (0, 0), (c.reo_steps, c.reo_ns)
     # counted once; after an older resend the mark stays for a duplicate of the first send
     # (test_duplicate_of_a_judged_first_send_widens_the_window)
     assert bool(env.psn_entry(CONN_A, PSN0).flags & const("MRC_PSNF_JUDGED")) == (not late)
-    if resend is None:
-        time.sleep(1.1)     # MRC_REO_DECAY_NS without another: one step back
-        _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
-            cc={"tx_ts": (now() - 5000) & 0xFFFF})
+    d = _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1)
+    assert "ing_late" not in d and _conn_rt(env).reo_steps == int(late), d
+
+    def rtt_sack(steps, ago):
+        """An attempt: reo_steps and reo_ns (the last step ago ns before t0) written, no RTT
+        sample before (min_rtt 0: the sample is the min, and with div 0 the window the
+        floor), then a SACK reflecting a stamp 50 us old: an RTT sample."""
+        def attempt(t0):
+            _set_conn(env, reo_steps=steps, reo_ns=t0 - ago, min_rtt=0, rtt_spread=0)
+            d = _fb(env, "sack", echo, cack_psn=PSN0 + n, ack_psn_offset=-1,
+                    cc={"tx_ts": _ts(time.monotonic_ns() - 50 * unit)})
+            assert "ing_late" not in d, d
+            return (d, t0), d.get("ing_rtt") == 1
+        return attempt
+
+    decay = 10**9           # MRC_REO_DECAY_NS (its ULL suffix keeps it out of const())
+    steps = int(late)
+    if late:
+        # the last step at t0, the SACK less than half a second later: no step back, the
+        # window (1 + 1) x the floor
+        _, t0 = _clocked(rtt_sack(steps, 0), "no step back within a second", decay // 2)
         c = _conn_rt(env)
-        assert (c.reo_steps, c.reo_wnd) == (0, 5000), (c.reo_steps, c.reo_wnd)
+        assert (c.reo_steps, c.reo_wnd, c.reo_ns) == (1, 2 * wnd, t0), (c.reo_steps, c.reo_wnd)
+    # the last step two seconds before t0: one back (dated by the SACK), the window the
+    # floor; without a step to take back, nothing.  (Any RTT sample will do.)
+    _, t0 = _clocked(rtt_sack(steps, 2 * decay), "an RTT sample (a SACK within 30 ms)")
+    c = _conn_rt(env)
+    assert (c.reo_steps, c.reo_wnd) == (0, wnd), (c.reo_steps, c.reo_wnd)
+    if steps:
+        assert t0 <= c.reo_ns <= time.monotonic_ns(), "the step back is dated by the SACK"
+    else:
+        assert c.reo_ns == t0 - 2 * decay
 
 
 @pytest.mark.parametrize("how,late", [("in-bitmap", True), ("below-cack", True), ("resent-first", False)])
