@@ -56,6 +56,16 @@ def test_write_bw(pair):
     assert c["payload"] == MTU - 88 - (MTU - 88) % 64
 
 
+def test_write_bw_1000_qps(pair):
+    """`write-bw --qps 1000` (MAX_QPS: the datapath holds MRC_MAX_CONNS 1024 connections):
+    every QP is connected, written to round robin and closed, and the server placed every
+    byte; run_pair checks that no connection is left in either datapath."""
+    c, s = run_pair(pair, ["write-bw"], ["write-bw", B_CTL, "--size", "4096", "--iters", "2000", "--qps", "1000"],
+                    timeout=300)
+    assert c["iterations"] == 2000 and c["qps"] == 1000
+    assert s["server_qp_stats"]["rx_bytes"] == 2000 * 4096
+
+
 def test_write_lat(pair):
     c, s = run_pair(pair, ["write-lat"], ["write-lat", B_CTL, "--size", "8", "--iters", "300"])
     assert c["iterations"] == 300 and c["bytes"] == 8 and s["iterations"] == 300

@@ -40,7 +40,7 @@ HELLO_TIMEOUT = 10.0        # a connection has this long (at most) to say hello
 MAX_PENDING = 16            # connections waiting for their hello at once
 
 # What a peer may ask for (perftest-style commands, mrc_xdp.transport.perf)
-MAX_QPS = 60                # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
+MAX_QPS = 1000              # connections per datapath instance are MRC_MAX_CONNS (1024), a few are taken
 MAX_MSG = 1 << 30           # write-bw/write-lat: bytes per write
 MAX_ITERS = 10 ** 8
 MAX_FILE = 1 << 48          # send/recv: bytes of one file (the space free is checked too)

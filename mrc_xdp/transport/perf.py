@@ -24,7 +24,7 @@ import time
 from mrc_xdp.transport import bootstrap as bs
 
 DEFAULT_SIZE = 65536
-MAX_QPS = bs.MAX_QPS  # connections per datapath instance are MRC_MAX_CONNS (64), a few are taken
+MAX_QPS = bs.MAX_QPS  # connections per datapath instance are MRC_MAX_CONNS (1024), a few are taken
 CHUNK = 4 << 20       # send/recv: bytes per RDMA Write
 MAX_INFLIGHT_BYTES = 32 << 20
 # the engine counters write-lat reports (each side's): how the round trips were waited for
