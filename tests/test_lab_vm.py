@@ -789,7 +789,7 @@ def _guest_leftovers(ex, inst) -> list:
 
 
 @pytest.mark.skipif(os.environ.get("MRC_VM_FLEET") != "1",
-                    reason="by hand (MRC_VM_FLEET=1): 12-15 min under QEMU TCG here (the role's bcc "
+                    reason="by hand (MRC_VM_FLEET=1): 8-12 min under QEMU TCG here (the role's bcc "
                            "load in each guest, Ansible modules in guests that run the daemon); the "
                            "output lost by ansible-core's run_command is fixed (mrc_xdp_command), the "
                            "2026-12-02 'h1 daemon stopped' not seen since (docs/fleet.md)")
