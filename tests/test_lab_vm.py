@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -754,7 +755,8 @@ def _play(d, inv, playbook, *extra, timeout=1500):
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(ANSIBLE, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_HOME=os.path.join(d, "home"), ANSIBLE_LOCAL_TEMP=os.path.join(d, "tmp"))
     t = time.monotonic()
-    p = subprocess.run([PLAYBOOK, "-i", inv, os.path.join(ANSIBLE, playbook), *extra], capture_output=True,
+    # -v: every task's result (stdout, stderr, rc) is in ansible.log, kept when the test fails
+    p = subprocess.run([PLAYBOOK, "-v", "-i", inv, os.path.join(ANSIBLE, playbook), *extra], capture_output=True,
                        text=True, timeout=timeout, env=env)
     with open(os.path.join(d, "ansible.log"), "a") as f:
         f.write("==== %s %s: rc %d\n%s\n%s\n" % (playbook, " ".join(extra), p.returncode, p.stdout, p.stderr))
@@ -787,9 +789,10 @@ def _guest_leftovers(ex, inst) -> list:
 
 
 @pytest.mark.skipif(os.environ.get("MRC_VM_FLEET") != "1",
-                    reason="by hand (MRC_VM_FLEET=1): ~8 min under QEMU TCG, and 1 of 3 runs on "
-                           "2026-12-02 found h1's health daemon stopped after the deploy, cause not "
-                           "yet found (docs/fleet.md)")
+                    reason="by hand (MRC_VM_FLEET=1): 8-12 min under QEMU TCG here (the role's bcc "
+                           "load in each guest, Ansible modules in guests that run the daemon); the "
+                           "output lost by ansible-core's run_command is fixed (mrc_xdp_command), the "
+                           "2026-12-02 'h1 daemon stopped' not seen since (docs/fleet.md)")
 def test_fleet_role_on_the_vms_over_ssh(vmlab, request):
     """The fleet's Ansible role and playbooks (deploy/ansible) against the VM lab's hosts
     over SSH, as against real machines (docs/fleet.md): `mrc-xdp lab inventory` of the
@@ -808,6 +811,22 @@ def test_fleet_role_on_the_vms_over_ssh(vmlab, request):
     if not os.access(PLAYBOOK, os.X_OK):
         pytest.fail("%s is missing: run scripts/setup.sh (it installs ansible-core)" % PLAYBOOK)
     fleet_scenario(*vmlab, later=_later_vm_tests(request))
+
+
+def _guest_evidence(execs, hosts, d) -> None:
+    """A failed fleet test: each guest's service logs, pid files, processes and kernel
+    messages into d/guest-HOST.txt (the unload removes the logs)."""
+    sh = ("for f in /run/mrc-xdp/*.pid /run/mrc-xdp/*.log; do echo \"== $f\"; cat $f; done; "
+          "echo '== ps'; ps -eo pid,ppid,pgid,sid,stat,lstart,args | grep -v ' \\[' ; "
+          "echo '== dmesg'; dmesg | tail -n 60; echo '== ls'; ls -la /run/mrc-xdp /sys/fs/bpf/mrc; true")
+    for h in hosts:
+        try:
+            out = execs[h].run(["sh", "-c", sh], check=False, timeout=120).stdout
+        except Exception as e:
+            out = "could not read: %s" % e
+        with open(os.path.join(d, "guest-%s.txt" % h), "w") as f:
+            f.write(out)
+    say("fleet on VMs: failed; the guests' logs, processes and dmesg in %s/guest-*.txt" % d)
 
 
 def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
@@ -838,6 +857,7 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
         first = _play(d, inv_path, "deploy.yml")
         deployed = True
         t["deploy"] = first["s"]
+        t0 = time.monotonic()
         assert all((first["recap"][insts[h]][1] == 0) == deployed_before and first["recap"][insts[h]][2:] == (0, 0)
                    for h in hosts), first["recap"]
         for h in hosts:
@@ -860,6 +880,7 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
                 with urllib.request.urlopen("http://%s/metrics" % hv[inst]["mrc_xdp_metrics_target"],
                                             timeout=30) as r:
                     body = r.read().decode()
+        t["checks"] = time.monotonic() - t0
         again = _play(d, inv_path, "deploy.yml")
         t["redeploy"] = again["s"]
         assert all(again["recap"][insts[h]][1:] == (0, 0, 0) for h in hosts), again["recap"]
@@ -873,9 +894,11 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
         # TCG drops ~1-2% of a busy guest's frames: see test_engine_transfer_...
         saved = {h: agent.call(execs[h], "datapath_config", instance=insts[h], changes={"loss_thresh": 16})
                  for h in hosts}
+        t0 = time.monotonic()
         nic0 = {h: _nic_tx(execs[h]) for h in hosts}
         sent, planes = _engine_transfer(lab, "fleet-drained")
         nic1 = {h: _nic_tx(execs[h]) for h in hosts}
+        t["transfer"] = time.monotonic() - t0
         drained = {h: {p: nic1[h][p] - nic0[h][p] for p in (0, 1)} for h in hosts}
         say("fleet on VMs: plane 1 drained, %d MiB h0 -> h1: packets per plane NIC %s" % (XFER_MIB, drained))
         assert drained["h0"][0] >= (XFER_MIB << 20) // 1500 and drained["h1"][0] > 0, drained
@@ -884,7 +907,9 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
         ret = _play(d, inv_path, "plane-return.yml", "-e", "mrc_xdp_plane=1")
         t["return"] = ret["s"]
         assert all(ret["recap"][insts[h]][1] == 1 for h in hosts), ret["recap"]
+        t0 = time.monotonic()
         sent, planes = _engine_transfer(lab, "fleet-returned")
+        t["transfer2"] = time.monotonic() - t0
         assert min(planes.values()) >= 0.25 * sent["qp_stats"]["tx_pkts"], planes
 
         unload = _play(d, inv_path, "unload.yml")
@@ -894,6 +919,8 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
         for h in hosts:
             assert _guest_leftovers(execs[h], insts[h]) == [], h
     finally:
+        if deployed and sys.exc_info()[0] is not None:     # failed: what the guests had, before the unload
+            _guest_evidence(execs, hosts, d)
         if deployed:                # whatever failed: nothing of the role stays behind
             for h in hosts:
                 with_saved = saved.get(h)

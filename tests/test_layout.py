@@ -188,3 +188,32 @@ def test_commands_keep_json(cmd):
              "recv": ["d"]}
     args = build_parser().parse_args(cmd.split() + needs.get(cmd, []) + ["--json"])
     assert args.json is True, argv
+
+
+def test_cli_groups_table_is_the_full_parser():
+    """cli.GROUPS (the one group imported for a command) names every top-level command
+    once, each with the group that registers it; a command's parser built from its group
+    alone parses as the full one, and `version` imports no transport, collective or lab
+    library."""
+    import argparse
+    import importlib
+    import subprocess
+    import sys
+    from mrc_xdp import cli
+    full = cli.build_parser()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    listed = [c for cmds in cli.GROUPS.values() for c in cmds]
+    assert sorted(listed) == sorted(set(listed)) == sorted(sub.choices)
+    for g, cmds in cli.GROUPS.items():
+        p = argparse.ArgumentParser()
+        s = p.add_subparsers(dest="cmd")
+        m = importlib.import_module("mrc_xdp.cli." + g)
+        (m.add_parsers if hasattr(m, "add_parsers") else m.add_parser)(s)
+        assert sorted(s.choices) == sorted(cmds), g
+    argv = ["status", "--instance", "x", "--json"]
+    assert vars(cli.build_parser(argv).parse_args(argv)) == vars(full.parse_args(argv))
+    code = ("import sys; from mrc_xdp import cli; cli.build_parser(['version']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('mrc_xdp.transport', 'mrc_xdp.collective', "
+            "'mrc_xdp.lab', 'numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

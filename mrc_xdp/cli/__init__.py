@@ -32,27 +32,50 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+# the command group (cli module) of each top-level command: `mrc-xdp status` imports the
+# datapath group only, not the transport, collective and lab libraries (numpy among them).
+# Under QEMU TCG that is most of a CLI start: `version --json` took 12 s in a lab guest with
+# every group imported.  tests/test_layout.py checks this table against the full parser.
+GROUPS = {
+    "datapath": ("load", "unload", "status", "ev", "plane", "stats", "events", "version"),
+    "observe": ("metrics", "top"),
+    "demo": ("demo",),
+    "transport": ("write-bw", "write-lat", "send", "qps", "recv"),
+    "collective": ("allreduce-perf", "allgather-perf", "reducescatter-perf", "bcast-perf"),
+    "health": ("daemon", "fabric"),
+    "lab": ("lab",),
+    "fleet": ("fleet",),
+}
+
+
+def _group_of(argv) -> str | None:
+    """The group of the command argv names (its first word), None for anything else
+    (no command, an option first, an unknown word: the full parser says what is wrong)."""
+    if not argv or argv[0].startswith("-"):
+        return None
+    return next((g for g, cmds in GROUPS.items() if argv[0] in cmds), None)
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The CLI's parser: every command group, or only the group of the command argv
+    names (the same parser for that command, with fewer imports)."""
     p = argparse.ArgumentParser(
         prog="mrc-xdp", description="MRC (Multipath Reliable Connection) on Linux hosts with XDP: "
         "load the multipath datapath, watch per-path (per-EV) health, run the lab fabric.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    from mrc_xdp.cli import collective, datapath, demo, fleet, health, lab, observe, transport
-    datapath.add_parsers(sub)       # load, unload, status, ev, plane, stats, events, version
-    observe.add_parsers(sub)        # metrics, top
-    demo.add_parsers(sub)           # demo
-    transport.add_parsers(sub)      # write-bw, write-lat, send, qps, recv
-    collective.add_parsers(sub)     # allreduce-perf, allgather-perf, ...
-    health.add_parsers(sub)         # daemon, fabric check
-    lab.add_parser(sub)             # lab ... (and lab inventory)
-    fleet.add_parsers(sub)          # fleet inventory, fleet prometheus-config
+    import importlib
+    only = _group_of(argv)
+    for g in GROUPS:
+        if only in (None, g):
+            m = importlib.import_module("mrc_xdp.cli." + g)
+            (m.add_parsers if hasattr(m, "add_parsers") else m.add_parser)(sub)
     return p
 
 
 def main(argv=None) -> int:
-    p = build_parser()
+    p = build_parser(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):
         p.print_help()
