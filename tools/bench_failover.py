@@ -324,7 +324,7 @@ def run_failover(args, out):
     prefix = "bf%d-" % (os.getpid() % 100000)
     topo = topology.load(mode="ecmp")
     st = fabric.up(topo, prefix=prefix, hosts_hook=hosts.fabric_hook)
-    procs, eps, mrc, daemon = [], {}, None, None
+    procs, eps, mrc, daemon, dps = [], {}, None, None, []
     tmp = tempfile.mkdtemp(prefix="bf-")
     try:
         topo = fabric.topology_of(st)
@@ -403,6 +403,7 @@ def run_failover(args, out):
         ends = [(n, rx.ifindex) for n, rx, _, _ in topo.link_ends()]
         from mrc_xdp.datapath.maps import Instance
         h0i, h2i = Instance(prefix + "h0"), Instance(prefix + "h2")
+        dps += [h0i, h2i]
 
         def ethtool(ns, dev):
             r = subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-S", dev], capture_output=True, text=True)
@@ -467,8 +468,6 @@ def run_failover(args, out):
             time.sleep(0.005)
         link_snaps.append(snap())
         crossing["links"] = link_deltas(link_snaps)
-        h0i.close()
-        h2i.close()
         sampler.stop.set()
         sampler.join()
         for p in procs[2:]:
@@ -493,15 +492,17 @@ def run_failover(args, out):
         if daemon is not None:
             daemon.terminate()
             daemon.wait(10)
+        for i in dps:           # the hosts' map handles, before their datapaths unload
+            i.close()
         fabric.down(prefix, unload_hosts=hosts.unload_all)
         _cleanup(tmp)
     return res
 
 
 def link_deltas(snaps):
-    """{"fault": {link: {counter: delta}}, "after": ...}: the links that dropped (not by
-    the blackhole), trimmed or marked a packet during the fault and after the heal, and the
-    sender's datapath counters that moved."""
+    """{"fault": {name: {counter: delta}}, "after": ...}, what moved during the fault and
+    after the heal: of a link end (named "a>b"), its marks, trims and drops other than
+    the blackhole's; of every other entry of snap() (named "host what"), any counter."""
     out = {}
     for phase, a, b in (("fault", snaps[0], snaps[1]), ("after", snaps[1], snaps[2])):
         rows = {}
