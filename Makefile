@@ -19,7 +19,7 @@ train-demo: setup
 fleet-setup: setup
 	bash scripts/fleet-setup.sh
 
-# the Kubernetes agent's image (tests/test_kubernetes.py, docs/fleet.md): podman, runc and
+# the Kubernetes agent's image (tests/test_kubernetes.py, docs/fleet.md): podman, runc, catatonit and
 # debootstrap from Debian, the base localhost/debian:bookworm (debootstrap, podman import)
 # and localhost/mrc-xdp:dev from this checkout, cached in podman's store
 # (/var/lib/containers/storage); from nothing ~3 min, after a change of the sources ~30 s

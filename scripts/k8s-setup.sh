@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Kubernetes agent's image, built with podman on this machine (docs/fleet.md,
 # "Kubernetes"; tests/test_kubernetes.py):
-#   1. podman, runc and debootstrap from Debian;
+#   1. podman, runc, catatonit (the pause image of `podman kube play`) and debootstrap from Debian;
 #   2. the base image localhost/debian:bookworm when podman has none (no image registry is
 #      reachable here): debootstrap --variant=minbase bookworm from this machine's Debian
 #      mirror (the first bookworm URI of /etc/apt/sources.list*, or $MRC_DEBIAN_MIRROR),
@@ -28,7 +28,7 @@ ULIMITS=(--ulimit nofile=20000:20000 --ulimit nproc=32768:32768)
 LOG=/var/log/mrc-xdp-k8s-setup.log
 : >"$LOG"
 
-apt_ensure "$LOG" podman runc debootstrap
+apt_ensure "$LOG" podman runc catatonit debootstrap
 
 if ! podman image exists "$BASE"; then
     mirror=${MRC_DEBIAN_MIRROR:-$(python3 - <<'EOF'
