@@ -214,7 +214,7 @@ def test_plane_nic_down_up(lab, daemon):
             t = time.monotonic()
             H.wait_for(lambda: _plane_tx(lab, "h0", 1) > marks["tx1"] + 100, 5)
             marks["tx1_s"] = time.monotonic() - t
-            marks["qp"] = lab["eps"]["h0"].stats()
+            marks["engine"] = lab["eps"]["h0"].stats()
             marks["tx0b"], marks["tx1b"] = _plane_tx(lab, "h0", 0), _plane_tx(lab, "h0", 1)
             marks["status"] = H.cli("status", "-i", inst).stdout
             marks["stats"] = json.loads(H.cli("stats", "-i", inst, "--json").stdout)
@@ -226,7 +226,7 @@ def test_plane_nic_down_up(lab, daemon):
     assert marks["flag"], "plane 0 never went out of rotation: %s" % _planes_down(lab, "h0")
     assert marks["tx0b"] == marks["tx0"], "plane 0 kept sending while its NIC was down"
     assert marks["tx1b"] > marks["tx1"] + 100, "plane 1 did not carry the transfer (%d packets in %.1f s; engine %s)" % (
-        marks["tx1b"] - marks["tx1"], marks["tx1_s"], marks["qp"])
+        marks["tx1b"] - marks["tx1"], marks["tx1_s"], marks["engine"])
     line = [ln for ln in marks["status"].splitlines() if ln.strip().startswith("plane 0")]
     assert line and "OUT OF ROTATION" in line[0], marks["status"]
     assert "OUT OF ROTATION" not in [ln for ln in marks["status"].splitlines() if ln.strip().startswith("plane 1")][0]
