@@ -204,29 +204,26 @@ def test_plane_nic_down_up(lab, daemon):
         if frac >= 0.25 and "down" not in marks:
             H.link_set(lab, "h0", "p0", False)
             marks["down"] = time.monotonic()
-        if frac >= 0.6 and "up" not in marks:
+            # the window starts once plane 0 is out of rotation, with 75% of the transfer
+            # still to come (a window opened at 60% could find everything already sent:
+            # the lab moves 48 MiB in about half a second, and 4 of 27 runs at that size
+            # on 2026-12-07 found it all sent; hence 128 MiB)
             marks["flag"] = H.wait_for(lambda: _planes_down(lab, "h0") == [True, False], 5)
             marks["tx0"] = _plane_tx(lab, "h0", 0)
             marks["tx1"] = _plane_tx(lab, "h0", 1)
-            # plane 1 carries the transfer: within a bound, not a fixed 0.3 s (packets the
-            # dead NIC took are resent after an RTO, which may have backed off; one CI run
-            # of 2026-12-07 saw plane 1 send nothing for 0.3 s)
-            t = time.monotonic()
-            H.wait_for(lambda: _plane_tx(lab, "h0", 1) > marks["tx1"] + 100, 5)
-            marks["tx1_s"] = time.monotonic() - t
-            marks["engine"] = lab["eps"]["h0"].stats()
+        if frac >= 0.6 and "up" not in marks:
             marks["tx0b"], marks["tx1b"] = _plane_tx(lab, "h0", 0), _plane_tx(lab, "h0", 1)
             marks["status"] = H.cli("status", "-i", inst).stdout
             marks["stats"] = json.loads(H.cli("stats", "-i", inst, "--json").stdout)
             marks["daemon"] = daemon.status()["instances"][inst]["links"]
             H.link_set(lab, "h0", "p0", True)
             marks["up"] = time.monotonic()
-    H.transfer(lab, "h0", "h2", 48 << 20, during=during)
+    H.transfer(lab, "h0", "h2", 128 << 20, during=during)
     assert "up" in marks
     assert marks["flag"], "plane 0 never went out of rotation: %s" % _planes_down(lab, "h0")
     assert marks["tx0b"] == marks["tx0"], "plane 0 kept sending while its NIC was down"
-    assert marks["tx1b"] > marks["tx1"] + 100, "plane 1 did not carry the transfer (%d packets in %.1f s; engine %s)" % (
-        marks["tx1b"] - marks["tx1"], marks["tx1_s"], marks["engine"])
+    assert marks["tx1b"] > marks["tx1"] + 100, "plane 1 did not carry the transfer (%d packets)" % (
+        marks["tx1b"] - marks["tx1"])
     line = [ln for ln in marks["status"].splitlines() if ln.strip().startswith("plane 0")]
     assert line and "OUT OF ROTATION" in line[0], marks["status"]
     assert "OUT OF ROTATION" not in [ln for ln in marks["status"].splitlines() if ln.strip().startswith("plane 1")][0]
