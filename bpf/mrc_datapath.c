@@ -351,7 +351,7 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 					struct mrc_psn_ent *ape, __u32 refl)
 {
 	__u32 trig = ape->ts, rtt, mn, spread, w, steps;
-	__u64 now;
+	__u64 now, back;
 
 	if (!trig)
 		return 0;
@@ -388,10 +388,13 @@ static __always_inline __u32 sack_clock(struct mrc_conn *c, struct mrc_config *c
 	if (w < cfg->loss_window_us)
 		w = cfg->loss_window_us;
 	/* packets judged lost that were late (late_arrival) widened the window by steps;
-	 * a step back per second without one */
+	 * a step back per second without one, every second since the last step counted (a
+	 * connection idle for seconds starts again with the RTT-based window, not one step
+	 * narrower than where it stopped) */
 	steps = c->reo_steps;
 	if (steps && now - c->reo_ns > MRC_REO_DECAY_NS) {
-		steps--;
+		back = (now - c->reo_ns) / MRC_REO_DECAY_NS;
+		steps = back >= steps ? 0 : steps - (__u32)back;
 		c->reo_steps = steps;
 		c->reo_ns = now;
 	}

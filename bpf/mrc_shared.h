@@ -282,7 +282,8 @@ struct mrc_conn {
 	__u32 reo_steps;        /* packets judged lost that arrived after all (late) widened
 	                         * the reorder window to (1 + reo_steps) x the RTT-based one,
 	                         * one step per RTT at most; one step back per
-	                         * MRC_REO_DECAY_NS without one (RACK grows its window on
+	                         * MRC_REO_DECAY_NS without one, every such period
+	                         * counted at the next RTT sample (RACK grows its window on
 	                         * D-SACKs the same way) */
 	__u64 reo_ns;           /* bpf_ktime_get_ns() of the last step up or down */
 	__u32 fb_cack;          /* the newest cumulative ack seen in a SACK (ingress) */

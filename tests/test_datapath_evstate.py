@@ -665,6 +665,15 @@ def test_late_packet_widens_the_reorder_window(ecmp, resend, late):
         assert t0 <= c.reo_ns <= time.monotonic_ns(), "the step back is dated by the SACK"
     else:
         assert c.reo_ns == t0 - 2 * decay
+    if late:
+        # every second since the last step counts, not one step per SACK: 5 steps, the
+        # last 3.5 s ago -> 2 (the window 3 x the floor); 20 s ago -> none left
+        _clocked(rtt_sack(5, 3 * decay + decay // 2), "three steps back after 3.5 s")
+        c = _conn_rt(env)
+        assert (c.reo_steps, c.reo_wnd) == (2, 3 * wnd), (c.reo_steps, c.reo_wnd)
+        _clocked(rtt_sack(5, 20 * decay), "all steps back after 20 s")
+        c = _conn_rt(env)
+        assert (c.reo_steps, c.reo_wnd) == (0, wnd), (c.reo_steps, c.reo_wnd)
 
 
 @pytest.mark.parametrize("how,late", [("in-bitmap", True), ("below-cack", True), ("resent-first", False)])

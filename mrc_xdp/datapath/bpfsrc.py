@@ -51,10 +51,20 @@ def amalgamate(path: str, _seen: set | None = None) -> str:
 
 
 def compile_bpf(filename: str, cflags: list[str] | None = None):
-    """bcc.BPF for bpf/<filename>, built from the amalgamated source."""
+    """bcc.BPF for bpf/<filename>, built from the amalgamated source; or the same build
+    replayed from the build cache (bpfcache.CachedBuild: its maps made anew, no compile)
+    when this source, these flags, bcc and the kernel headers were built before."""
     kheaders.ensure()
-    from bcc import BPF  # imported late: only loaders need bcc
+    from mrc_xdp.datapath import bpfcache
 
     src = amalgamate(os.path.join(BPF_DIR, filename))
+    flags = CFLAGS + list(cflags or [])
+    entry = bpfcache.key(filename, src, flags)
+    hit = bpfcache.load(entry)
+    if hit is not None:
+        return hit
+    from bcc import BPF  # imported late: only loaders need bcc
     with _COMPILE_LOCK:
-        return BPF(text=src.encode(), cflags=CFLAGS + list(cflags or []))
+        bpf = BPF(text=src.encode(), cflags=flags)
+    bpfcache.store(entry, bpf)
+    return bpf

@@ -66,8 +66,20 @@ int bpf_map_lookup_batch(int fd, void *in_batch, void *out_batch, void *keys, vo
                          uint32_t *count, const void *opts);
 int bpf_obj_get_info_by_fd(int bpf_fd, void *info, uint32_t *info_len);
 int libbpf_num_possible_cpus(void);
+struct bpf_map_create_opts {     /* libbpf 1.1 (Debian 12) */
+    size_t sz;
+    uint32_t btf_fd;
+    uint32_t btf_key_type_id;
+    uint32_t btf_value_type_id;
+    uint32_t btf_vmlinux_value_type_id;
+    uint32_t inner_map_fd;
+    uint32_t map_flags;
+    uint64_t map_extra;
+    uint32_t numa_node;
+    uint32_t map_ifindex;
+};
 int bpf_map_create(int map_type, const char *map_name, uint32_t key_size, uint32_t value_size,
-                   uint32_t max_entries, const void *opts);
+                   uint32_t max_entries, const struct bpf_map_create_opts *opts);
 int bpf_prog_get_next_id(uint32_t start_id, uint32_t *next_id);
 int bpf_map_get_next_id(uint32_t start_id, uint32_t *next_id);
 struct xdp_md_ctx { uint32_t data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex; };
@@ -216,10 +228,16 @@ def obj_get(path: str) -> int:
     return _check(lib.bpf_obj_get(path.encode()), "open pin %s" % path)
 
 
-def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str = "") -> int:
-    """A new map (an fd; close it yourself)."""
-    return _check(lib.bpf_map_create(map_type, name.encode() if name else ffi.NULL, key_size, value_size,
-                                     max_entries, ffi.NULL), "map create")
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str = "",
+               flags: int = 0) -> int:
+    """A new map (an fd; close it yourself); flags: BPF_F_* map flags."""
+    opts = ffi.NULL
+    if flags:
+        opts = ffi.new("struct bpf_map_create_opts *")
+        opts.sz = ffi.sizeof("struct bpf_map_create_opts")
+        opts.map_flags = flags
+    return _check(lib.bpf_map_create(map_type, name[:15].encode() if name else ffi.NULL, key_size, value_size,
+                                     max_entries, opts), "map create %s" % (name or "(unnamed)"))
 
 
 def _ids(next_fn) -> set[int]:
