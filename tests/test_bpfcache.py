@@ -138,3 +138,57 @@ def test_flags_are_part_of_the_key_and_off_compiles_every_time(cache, monkeypatc
         finally:
             b.cleanup()
     assert len(_entries(cache)) == 2
+
+
+def test_entries_move_to_another_cache(cache, tmp_path, monkeypatch):
+    """What the VM lab does between guests: one cache's entries (bpfcache.entries) are
+    imported into another (bpfcache.import_entries), which then replays them; entries
+    that do not check out (a changed byte, a foreign name) are not imported."""
+    from mrc_xdp.datapath import bpfcache
+    from mrc_xdp.datapath.bpfsrc import compile_bpf
+    compile_bpf("linkmodel.c", FRAGS).cleanup()
+    got = bpfcache.entries()
+    assert list(got) == _entries(cache)
+    other = tmp_path / "other"
+    name = next(iter(got))
+    bad = dict(got)
+    bad["x-" + "0" * 32 + ".json"] = got[name]                    # a name its content does not carry
+    bad["../escape-" + "0" * 32 + ".json"] = got[name]
+    assert bpfcache.import_entries(bad, str(other)) == [name]
+    assert bpfcache.import_entries(got, str(other)) == []           # held already
+    damaged = {name: got[name].replace('"insns": "', '"insns": "AAAA', 1)}
+    other2 = tmp_path / "other2"
+    assert bpfcache.import_entries(damaged, str(other2)) == []
+    monkeypatch.setenv("MRC_BPF_CACHE", str(other))
+    b = compile_bpf("linkmodel.c", FRAGS)
+    try:
+        assert isinstance(b, bpfcache.CachedBuild) and b.path == str(other / name)
+    finally:
+        b.cleanup()
+    assert sorted(os.listdir(tmp_path)) == ["bpfcache", "other", "other2"] and \
+        os.listdir(other) == [name]                                  # nothing escaped
+
+
+def test_an_entry_others_may_write_is_not_used(cache):
+    """What is in the cache runs in the kernel: a cache directory or entry that another
+    user could write is not replayed (the build compiles)."""
+    from mrc_xdp.datapath import bpfcache
+    from mrc_xdp.datapath.bpfsrc import compile_bpf
+    compile_bpf("linkmodel.c", FRAGS).cleanup()
+    (name,) = _entries(cache)
+    for path, mode in ((cache, 0o777), (cache / name, 0o666)):
+        old = os.stat(path).st_mode & 0o777
+        os.chmod(path, mode)
+        try:
+            b = compile_bpf("linkmodel.c", FRAGS)
+            try:
+                assert not isinstance(b, bpfcache.CachedBuild), path
+            finally:
+                b.cleanup()
+        finally:
+            os.chmod(path, old)
+    b = compile_bpf("linkmodel.c", FRAGS)
+    try:
+        assert isinstance(b, bpfcache.CachedBuild)
+    finally:
+        b.cleanup()

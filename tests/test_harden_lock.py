@@ -30,6 +30,14 @@ def cli(*args, env=None):
                           env=dict(os.environ, **(env or {})))
 
 
+@pytest.fixture(autouse=True)
+def _compile_every_load(monkeypatch):
+    """Every load compiles (MRC_BPF_CACHE=off, inherited by the CLI processes): the
+    staggers are set against a compile's length, and a load replayed from the build cache
+    is over before a second start 1 s later could meet it."""
+    monkeypatch.setenv("MRC_BPF_CACHE", "off")
+
+
 @pytest.fixture
 def pair(tmp_path):
     import harden_pair

@@ -211,6 +211,27 @@ def test_vm_nodes_equal_the_netns_lab(vmlab):
         assert st["hosts"][h.name]["host"]["instance"] == instance_name(prefix, h.name)
 
 
+def test_guests_share_one_bpf_build(vmlab):
+    """bcc compiles each program once for all the VMs (vm.setup_nodes, bpfcache): h1
+    loaded h0's datapath build (from its cache, no compile); both guests and the host's
+    store of guest builds hold that entry; the link-model node's build is kept too."""
+    from mrc_xdp.datapath import bpfcache
+    prefix, topo, st = vmlab
+    execs = vm.execs_of(st)
+    builds = {h: st["hosts"][h]["host"]["build"] for h in ("h0", "h1")}
+    assert builds["h1"] == "cache" and builds["h0"] in ("bcc", "cache"), builds
+    got = {n: agent.call(execs[n], "bpf_cache_get") for n in ("h0", "h1", LM_NODE)}
+
+    def of(es, base):
+        return {k for k in es if k.startswith(base + "-")}
+    assert len(of(got["h0"], "mrc_datapath")) >= 1 and of(got["h0"], "mrc_datapath") <= set(got["h1"])
+    assert of(got[LM_NODE], "linkmodel")
+    store = bpfcache.entries(vm.guest_bpf_cache())
+    assert of(got["h0"], "mrc_datapath") | of(got[LM_NODE], "linkmodel") <= set(store)
+    say("guest builds: %s; entries h0 %d, h1 %d, %s %d, host store %d"
+        % (builds, len(got["h0"]), len(got["h1"]), LM_NODE, len(got[LM_NODE]), len(store)))
+
+
 def _counters(ex, prefix, host):
     return agent.call(ex, "counters", instance=instance_name(prefix, host))
 

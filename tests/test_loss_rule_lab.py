@@ -82,6 +82,14 @@ def _fresh_reorder(lab):
                 m.update(c["id"], shared.to_bytes(raw))
 
 
+def _reorder_state(lab):
+    """h0's connection to h2: the datapath's RTT and reorder-window state."""
+    from mrc_xdp.datapath.maps import Instance
+    with Instance(lab["prefix"] + "h0") as inst:
+        c = [c for c in inst.connections() if c["name"] == "h2"][0]
+    return {k: c[k] for k in ("min_rtt", "rtt_spread", "reo_wnd", "reo_steps")}
+
+
 def _rows(lab):
     from mrc_xdp.datapath.maps import Instance
     with Instance(lab["prefix"] + "h0") as inst:
@@ -193,11 +201,19 @@ def test_lossy_link_only_its_evs(lab, fabric_links):
     lossy = [rx for lk, rx in fabric_links if {lk.a.node, lk.b.node} == {h0_t0, T1} and rx.node == T1]
     assert len(lossy) == 1, fabric_links
     lm.update(lossy[0].ifindex, loss_ppm=20_000)
-    transfer(lab, [("h0", "h2")], 32 << 20)
+    keys = ("ing_loss", "ing_late", "ing_reo", "retire_loss", "ing_rtt")
+    before = _counters(lab)
+    drops0 = lm.counters(lossy[0].ifindex)["drop_loss"]
+    res = transfer(lab, [("h0", "h2")], 32 << 20)
     rows = _rows(lab)
     ctr = _counters(lab)
-    show = "\n".join(map(str, _show(rows))) + "\n" + str(
-        {k: v for k, v in ctr.items() if k.startswith(("ing_loss", "ing_late", "ing_reo", "retire_loss"))})
+    # everything a failure needs to be understood: each EV's losses since the reset, the
+    # case's counter deltas, the link's drops, the sender's resends, the reorder state
+    show = "\n".join(map(str, [r + (e["losses"],) for r, e in zip(_show(rows), rows)])) + "\n" + str({
+        "datapath": {k: ctr[k] - before[k] for k in ctr if k.startswith(keys)},
+        "link_drops": lm.counters(lossy[0].ifindex)["drop_loss"] - drops0,
+        "sender": {k: v for k, v in res[0]["tx"].items() if "rtx" in k or "rtt" in k or "reo" in k},
+        "conn": _reorder_state(lab)})
     bad = [e for e in rows if e["state"] == "ASSUMED_BAD"]
     assert bad, show                       # the lossy link's EVs are found out
     assert all((e["plane"], e["t1"]) == (0, 1) for e in bad), show

@@ -19,7 +19,8 @@ runs what bcc built, from the cache or not.  The maps are made without BTF (the 
 never use it; bcc's BTF only pretty-prints) and the programs carry no subprograms.
 
 Entries live in ``/var/cache/mrc-xdp/bpf`` (root only), one file per build, written
-atomically, checked by a digest when read; a damaged or unreadable entry is rebuilt.
+atomically, checked by a digest when read; a damaged or unreadable entry is rebuilt, and
+one in a directory or file that another user owns or may write is never used.
 ``MRC_BPF_CACHE`` names another directory, or ``off`` to compile every time.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import tempfile
 
 from mrc_xdp.datapath import bpfsys
@@ -55,6 +57,16 @@ def directory() -> str | None:
     if v.lower() in ("off", "0", "no", "false"):
         return None
     return v or DEFAULT_DIR
+
+
+def _trusted(path: str) -> bool:
+    """Only our own files and directories, writable by nobody else: what is in them runs
+    in the kernel."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def key(filename: str, src: str, cflags: list[str]) -> str:
@@ -153,16 +165,20 @@ def store(entry: str, bpf) -> str | None:
     except Uncacheable:
         return None
     doc = {"format": FORMAT, "entry": entry, "body": body, "sha256": _digest(body)}
+    tmp = None
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
+        if not _trusted(d):
+            return None
         fd, tmp = tempfile.mkstemp(prefix=".%s." % entry, dir=d)
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
         path = os.path.join(d, entry + ".json")
         os.replace(tmp, path)
     except OSError:
-        with contextlib.suppress(Exception):
-            os.unlink(tmp)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         return None
     _prune(d, entry.rsplit("-", 1)[0])
     return path
@@ -257,6 +273,10 @@ def load(entry: str) -> CachedBuild | None:
     if d is None:
         return None
     path = os.path.join(d, entry + ".json")
+    if not os.path.exists(path):
+        return None
+    if not (_trusted(d) and _trusted(path)):
+        return None                 # another user's or a shared directory: compile
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -270,3 +290,57 @@ def load(entry: str) -> CachedBuild | None:
             os.unlink(path)
         return None
     return CachedBuild(path, doc["body"])
+
+
+# ---------------------------------------------------------------- moving entries between machines
+_ENTRY = re.compile(r"^[A-Za-z0-9_]+-[0-9a-f]{32}\.json$")
+
+
+def entries(d: str | None = None) -> dict[str, str]:
+    """Every entry of the cache directory d (default: this machine's) as {file name: text}:
+    what another machine with the same kernel, headers, bcc and sources can import
+    (the VM lab shares one guest's builds with the others)."""
+    d = d or directory()
+    out = {}
+    if not d or not os.path.isdir(d):
+        return out
+    for f in sorted(os.listdir(d)):
+        if _ENTRY.match(f):
+            with contextlib.suppress(OSError):
+                with open(os.path.join(d, f)) as fh:
+                    out[f] = fh.read()
+    return out
+
+
+def _valid(name: str, text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT and "%s.json" % doc.get("entry") == name \
+        and isinstance(doc.get("body"), dict) and doc.get("sha256") == _digest(doc["body"])
+
+
+def import_entries(new: dict[str, str], d: str | None = None) -> list[str]:
+    """Write entries ({file name: text}, from entries()) into the cache directory d
+    (default: this machine's); those it did not hold and that check out (name, digest).
+    Returns the names written."""
+    d = d or directory()
+    if not d:
+        return []
+    written = []
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if not _trusted(d):
+        return []
+    for name, text in sorted(new.items()):
+        path = os.path.join(d, name)
+        if not _ENTRY.match(name) or os.path.exists(path) or not _valid(name, text):
+            continue
+        fd, tmp = tempfile.mkstemp(prefix=".import.", dir=d)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        written.append(name)
+    for base in {n.rsplit("-", 1)[0] for n in written}:
+        _prune(d, base)
+    return written

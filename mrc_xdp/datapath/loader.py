@@ -467,10 +467,11 @@ def _load_locked(cfg, netns_name, force, xdp_mode, config_path, say) -> dict:
     t0 = time.monotonic()
     with _in(netns_name):
         dev, ifindexes = _devinfo(cfg, force)
-    say("compiling datapath (bcc)")
+    say("compiling datapath (bcc; a build made before comes from the build cache)")
     dp = build()
-    say("programs: %s (%s)" % ("frags-aware (multi-buffer frames)" if dp.frags else "single-buffer",
-                               dp.path_info["why"]))
+    say("programs: %s (%s; %s)" % ("frags-aware (multi-buffer frames)" if dp.frags else "single-buffer",
+                                   dp.path_info["why"], "bcc's build replayed from the build cache"
+                                   if dp.path_info["build"] == "cache" else "compiled by bcc"))
     try:
         return _install(dp, cfg, dev, ifindexes, netns_name, force, xdp_mode, config_path, say, t0)
     finally:

@@ -34,7 +34,7 @@ import hashlib
 import os
 import warnings
 
-from mrc_xdp.datapath import bpfsys
+from mrc_xdp.datapath import bpfcache, bpfsys
 
 ENV = "MRC_XDP_FRAGS"
 PATH_FRAGS = "frags"          # BPF_F_XDP_HAS_FRAGS, -DMRC_FRAGS=1
@@ -102,8 +102,13 @@ class Built:
     def frags(self) -> bool:
         return self.path == PATH_FRAGS
 
+    @property
+    def build(self) -> str:
+        """'cache' when bcc's build was replayed from the build cache (bpfcache), else 'bcc'."""
+        return "cache" if isinstance(self.bpf, bpfcache.CachedBuild) else "bcc"
+
     def info(self) -> dict:
-        return {"path": self.path, "frags": self.frags, "why": self.why}
+        return {"path": self.path, "frags": self.frags, "why": self.why, "build": self.build}
 
     def close(self) -> None:
         """Close our program fds and the bcc object (maps; bcc's own program fds)."""

@@ -212,7 +212,20 @@ def traffic_send(local: str, peer: str, dqpn: int, count: int, pps: float, paylo
     return {"sent": n, "next_psn": tx.psn}
 
 
-AGENT = {"traffic_receive": traffic_receive, "traffic_send": traffic_send, "wire_vm": wire_vm, "vm_datapaths": vm_datapaths, "vm_unload": vm_unload,
+def bpf_cache_get() -> dict:
+    """On a node: its BPF build cache's entries ({file name: text}, bpfcache.entries)."""
+    from mrc_xdp.datapath import bpfcache
+    return bpfcache.entries()
+
+
+def bpf_cache_put(entries: dict) -> list:
+    """On a node: these build cache entries added to its cache (those that check out)."""
+    from mrc_xdp.datapath import bpfcache
+    return bpfcache.import_entries(entries)
+
+
+AGENT = {"bpf_cache_get": bpf_cache_get, "bpf_cache_put": bpf_cache_put,
+         "traffic_receive": traffic_receive, "traffic_send": traffic_send, "wire_vm": wire_vm, "vm_datapaths": vm_datapaths, "vm_unload": vm_unload,
          "counters": counters, "link_counters": link_counters, "link_update": link_update,
          "link_status": link_status,
          "datapath_config": datapath_config}

@@ -215,7 +215,7 @@ def load_host(topo: Topology, prefix: str, host: str, cfg: HostConfig, lm,
     if lm is not None:
         chain_ingress(topo, prefix, host, lm, netns_name=ns, ifindex_of=ifindex_of)
     return {"instance": cfg.instance, "load_s": st.get("load_seconds"),
-            "connections": len(cfg.connections)}
+            "connections": len(cfg.connections), "build": (st.get("frags") or {}).get("build")}
 
 
 PR_SET_PDEATHSIG = 1

@@ -42,6 +42,7 @@ import tarfile
 import time
 import zlib
 
+from mrc_xdp.datapath import bpfcache
 from mrc_xdp.datapath.maps import STATE_DIR
 from mrc_xdp.lab import agent, fabric
 from mrc_xdp.lab.executor import SshNode
@@ -63,6 +64,11 @@ SSH_OPTS = ["-q", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/d
 
 class VmError(fabric.LabError):
     """A VM lab operation failed; str() is one line."""
+
+
+def guest_bpf_cache() -> str:
+    """Where the guests' bcc builds (bpfcache entries) are kept between VM labs."""
+    return os.path.join(CACHE, "bpf")
 
 
 def _noop(msg: str) -> None:
@@ -390,11 +396,36 @@ def setup_nodes(topo: Topology, prefix: str, execs: dict, pl: dict, progress=_no
     t = time.monotonic()
     lm_nodes = set(names) if linkmodel is True else set(linkmodel or ())
     busy = [n for n in names if n in lm_nodes or (hosts and topo.nodes[n].kind == "host")]
-    res = _parallel(lambda n: agent.call(execs[n], "vm_datapaths", topo=topo.to_dict(), prefix=prefix,
-                                            node=n, pin_dir=fabric.pin_dir(prefix), hosts=hosts,
-                                            linkmodel=n in lm_nodes), busy)
-    progress("  link model on %d VMs%s (bcc in the guests)  %.1fs"
-             % (len(lm_nodes), ", host datapaths" if hosts else "", time.monotonic() - t))
+
+    def load(n):
+        return agent.call(execs[n], "vm_datapaths", topo=topo.to_dict(), prefix=prefix, node=n,
+                          pin_dir=fabric.pin_dir(prefix), hosts=hosts, linkmodel=n in lm_nodes)
+    # One build of each program for all the VMs (bpfcache): the guests' builds kept here
+    # go into every VM first; then one host and one link-model node load (and compile what
+    # no VM built before), their builds go to the others, and the others load from them.
+    # Each bcc build is 1-4 min of a TCG guest's CPU; replayed, a few seconds.
+    store = guest_bpf_cache()
+    kept = bpfcache.entries(store)
+    if kept:
+        _parallel(lambda n: agent.call(execs[n], "bpf_cache_put", entries=kept), busy)
+    first = [n for n in busy if hosts and topo.nodes[n].kind == "host"][:1]
+    if not first or first[0] not in lm_nodes:
+        first += [n for n in busy if n in lm_nodes and n not in first][:1]
+    rest = [n for n in busy if n not in first]
+    res = _parallel(load, first) if first else {}
+    t1 = time.monotonic() - t
+    built = {}
+    for n in first:
+        built.update(agent.call(execs[n], "bpf_cache_get"))
+    new = bpfcache.import_entries(built, store)
+    if rest:
+        _parallel(lambda n: agent.call(execs[n], "bpf_cache_put", entries=built), rest)
+        res.update(_parallel(load, rest))
+    progress("  link model on %d VMs%s (bcc in the guests: %s, %.0fs; the other %d VMs from their builds)  %.1fs"
+             % (len(lm_nodes), ", host datapaths" if hosts else "", ", ".join(first), t1, len(rest),
+                time.monotonic() - t))
+    if new:
+        progress("  %d guest BPF build(s) kept in %s for the next VM lab" % (len(new), store))
     return res
 
 
