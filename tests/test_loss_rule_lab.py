@@ -13,7 +13,7 @@ the run):
 - a T1 blackholed midway with both CPUs busy (a bounded busy loop per core for the
   fault's duration): the EVs retired are those that cross the T1, at most one more;
 - one T0-T1 link 4x slower than the others, no fault: no EV retired;
-- 2% random loss on one T0-T1 link: only EVs over that link retired.
+- 5% random loss on one T0-T1 link: only EVs over that link retired.
 """
 import multiprocessing
 import os
@@ -194,13 +194,19 @@ def test_unequal_rates_no_retire(lab, fabric_links):
 
 
 def test_lossy_link_only_its_evs(lab, fabric_links):
-    """2% random loss on the T0 -> T1 link into p0t1s1 from h0's T0: EVs over that
-    link lose packets and are retired; no EV of another path is."""
+    """5% random loss on the T0 -> T1 link into p0t1s1 from h0's T0: EVs over that
+    link lose packets and are retired; no EV of another path is.
+    (Not 2%: an EV is retired at its second loss since it last delivered (loss_thresh 2,
+    every SACK that echoes it restarts the count), so random loss retires it only when
+    two of its losses are judged before it delivers again.  Measured here 2026-12-07 over
+    32 MiB: at 2%, 2-5 of the link's 6 EVs retired with all 4 active ones crossing it,
+    and none in 2 of ~22 runs after the blackhole case (which leaves 2 active ones on
+    it), as in two CI runs; at 5%, all 6 in 16 of 16 runs, both modes.)"""
     lm = lab["lm"]
     h0_t0 = "p0t0s%d" % lab["topo"].host("h0").t0
     lossy = [rx for lk, rx in fabric_links if {lk.a.node, lk.b.node} == {h0_t0, T1} and rx.node == T1]
     assert len(lossy) == 1, fabric_links
-    lm.update(lossy[0].ifindex, loss_ppm=20_000)
+    lm.update(lossy[0].ifindex, loss_ppm=50_000)
     keys = ("ing_loss", "ing_late", "ing_reo", "retire_loss", "ing_rtt")
     before = _counters(lab)
     drops0 = lm.counters(lossy[0].ifindex)["drop_loss"]
