@@ -154,6 +154,12 @@ def _digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _checks_out(doc, name: str) -> bool:
+    """An entry document of this format, written for file name, its body unchanged."""
+    return isinstance(doc, dict) and doc.get("format") == FORMAT and "%s.json" % doc.get("entry") == name \
+        and isinstance(doc.get("body"), dict) and doc.get("sha256") == _digest(doc["body"])
+
+
 def store(entry: str, bpf) -> str | None:
     """Keep bcc's build under entry; the file written, or None (cache off, uncacheable,
     or not writable: the next load compiles again, nothing else changes)."""
@@ -284,8 +290,7 @@ def load(entry: str) -> CachedBuild | None:
         return None
     except (OSError, ValueError):
         doc = None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("entry") != entry \
-            or not isinstance(doc.get("body"), dict) or doc.get("sha256") != _digest(doc["body"]):
+    if not _checks_out(doc, entry + ".json"):
         with contextlib.suppress(OSError):
             os.unlink(path)
         return None
@@ -314,11 +319,9 @@ def entries(d: str | None = None) -> dict[str, str]:
 
 def _valid(name: str, text: str) -> bool:
     try:
-        doc = json.loads(text)
+        return _checks_out(json.loads(text), name)
     except ValueError:
         return False
-    return isinstance(doc, dict) and doc.get("format") == FORMAT and "%s.json" % doc.get("entry") == name \
-        and isinstance(doc.get("body"), dict) and doc.get("sha256") == _digest(doc["body"])
 
 
 def import_entries(new: dict[str, str], d: str | None = None) -> list[str]:
