@@ -19,6 +19,7 @@ import random
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -173,6 +174,31 @@ def test_metrics_bounded_against_random_evs(host, server):
     assert len(evs) == metrics.RX_EV_PER_CONN + 1 and evs.count("other") == 1, len(evs)
     assert {x.labels["mrc_instance"] for x in samples(body) if x.name.startswith("mrc_")} == {ib}
     assert len(body.splitlines()) < 2000, len(body.splitlines())
+
+
+def test_instance_readers_own_their_bytes(host):
+    """Instance.config(), probe_limit() and plane_flags() read their struct from bytes they
+    hold: a cast of a lookup's temporary bytes would read freed memory (which a thread of
+    the health daemon may have reused).  Python's debug allocator fills freed memory with
+    0xDD, so in a process run with PYTHONMALLOC=debug such a read returns 0xDD.. values;
+    the figures must equal those decoded here from the raw map values."""
+    from mrc_xdp.datapath import maps
+    from mrc_xdp.datapath.shared import from_bytes
+    code = ("import json, sys; from mrc_xdp.datapath import maps\n"
+            "with maps.Instance(sys.argv[1]) as i:\n"
+            "    print(json.dumps({'config': i.config(), 'limit': i.probe_limit(), 'flags': i.plane_flags()},"
+            " default=lambda b: list(b)))\n")
+    p = subprocess.run([sys.executable, "-c", code, host["ib"]],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONMALLOC="debug"))
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    with maps.Instance(host["ib"]) as inst:
+        c = from_bytes("struct mrc_config", inst.map("mrc_cfg").lookup(0))
+        flags = [from_bytes("struct mrc_plane", inst.map("mrc_planes").lookup(k)).flags for k in range(2)]
+        want_cfg = json.loads(json.dumps(maps.as_dict(c), default=lambda b: list(b)))
+    assert got["flags"] == flags == [0, 0]
+    assert got["limit"] == {"rate": c.probe_rate, "burst": c.probe_burst} and c.probe_rate > 0
+    assert got["config"] == want_cfg
 
 
 def test_rx_rows_bounded_per_instance():

@@ -64,7 +64,11 @@ def cmd_daemon(args) -> None:
         if os.geteuid() != 0:
             raise HealthError("the daemon reads and writes pinned BPF maps: run it as root")
         d = Daemon(cfg, prober=None if args.no_probe else "auto")
+        import faulthandler
         import signal
+        # a crash in native code (libbpf, cffi, the kernel's answers) leaves every
+        # thread's Python stack in the daemon's log (its stderr), not only a dmesg line
+        faulthandler.enable(all_threads=True)
         signal.signal(signal.SIGTERM, lambda *a: d.stop.set())
         d.run(args.seconds)
     except HealthError as e:

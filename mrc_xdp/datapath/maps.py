@@ -15,7 +15,7 @@ import time
 from mrc_xdp.datapath import bpfsys
 from mrc_xdp.datapath.names import BadName, check_instance, confined, is_instance
 from mrc_xdp.datapath.config import HostConfig
-from mrc_xdp.datapath.shared import (Ctr, EvReason, EvState, EV_CTR_FIELDS, MAP_NAMES, as_dict,
+from mrc_xdp.datapath.shared import (Ctr, EvReason, EvState, EV_CTR_FIELDS, MAP_NAMES, as_dict, from_bytes,
                                      const, ffi, sizeof, to_bytes)
 
 PIN_ROOT = "/sys/fs/bpf/mrc"
@@ -475,7 +475,7 @@ class Instance:
 
     # -- probe answers
     def probe_limit(self) -> dict:
-        c = ffi.cast("struct mrc_config *", ffi.from_buffer(self.map("mrc_cfg").lookup(0)))
+        c = from_bytes("struct mrc_config", self.map("mrc_cfg").lookup(0))
         return {"rate": c.probe_rate, "burst": c.probe_burst}
 
     def set_probe_limit(self, rate: int, burst: int) -> dict:
@@ -488,7 +488,7 @@ class Instance:
 
     def config(self) -> dict:
         """The datapath's live struct mrc_config, by field."""
-        c = ffi.cast("struct mrc_config *", ffi.from_buffer(self.map("mrc_cfg").lookup(0)))
+        c = from_bytes("struct mrc_config", self.map("mrc_cfg").lookup(0))
         return as_dict(c)
 
     def update_config(self, **changes) -> dict:
@@ -536,7 +536,7 @@ class Instance:
             mp = self._planes_map()
         except NotLoaded:
             return []
-        return [ffi.cast("struct mrc_plane *", ffi.from_buffer(mp.lookup(p))).flags
+        return [from_bytes("struct mrc_plane", mp.lookup(p)).flags
                 for p in range(len(self.state.get("planes", [])))]
 
     def planes_down(self) -> list[bool]:

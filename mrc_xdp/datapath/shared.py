@@ -102,6 +102,8 @@ def from_bytes(ctype: str, data: bytes):
     """A fresh cdata 'ctype *' holding a copy of data."""
     p = ffi.new(ctype + " *")
     n = ffi.sizeof(ctype)
+    if len(data) < n:       # memmove would read past the end of data
+        raise ValueError("%s is %d bytes, got %d" % (ctype, n, len(data)))
     ffi.memmove(p, data[:n], n)
     return p
 

@@ -172,7 +172,8 @@ def local_addr(instance: str) -> str:
         raise TransportError(str(e)) from None
     try:
         from mrc_xdp.datapath.shared import ffi as sffi
-        c = sffi.cast("struct mrc_config *", sffi.from_buffer(inst.map("mrc_cfg").lookup(0)))
+        cfg = inst.map("mrc_cfg").lookup(0)      # held: the cast below does not keep it alive
+        c = sffi.cast("struct mrc_config *", sffi.from_buffer(cfg))
         return str(ipaddress.IPv6Address(bytes(c.local_addr)))
     finally:
         inst.close()
