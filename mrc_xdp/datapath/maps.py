@@ -353,9 +353,10 @@ class Instance:
                 name, " (loaded: %s)" % ", ".join(instances()) if instances() else ""))
         self._maps: dict[str, bpfsys.Map] = {}
         self._evop: int | None = None
-        self._state_stamp = _file_stamp(state_path(name))
+        self._state_file = state_path(name)      # checked once (confined() resolves the path)
+        self._state_stamp = _file_stamp(self._state_file)
         try:
-            with open(state_path(name)) as f:
+            with open(self._state_file) as f:
                 self.state = json.load(f)
         except (FileNotFoundError, ValueError):
             self.state = {}
@@ -363,11 +364,11 @@ class Instance:
     def reload_state(self) -> bool:
         """Re-read the state file if it changed since it was read (run-time connections,
         mrc_xdp.transport.conns, are added to and removed from it).  True when it was re-read."""
-        stamp = _file_stamp(state_path(self.name))
+        stamp = _file_stamp(self._state_file)
         if stamp is None or stamp == self._state_stamp:
             return False
         try:
-            with open(state_path(self.name)) as f:
+            with open(self._state_file) as f:
                 self.state = json.load(f)
         except (OSError, ValueError):
             return False        # being rewritten: next time

@@ -43,8 +43,15 @@ space, with all state in the pinned maps (a killed daemon restarted resumes):
   operator writes) are left alone as well: no background or resurrection probes of
   their EVs and no EV state changed on them, so a drained plane carries nothing at all
   (a plane is drained to work on it: probes failing there would retire EVs, probes
-  answered would resurrect them, neither is news).  The flags are re-read with the EV
-  states (every ``ROWS_S``); after ``plane in`` probing resumes where it was.
+  answered would resurrect them, neither is news).  The flags are re-read every
+  ``ROWS_S``; after ``plane in`` probing resumes where it was.
+- **EV states** are re-read (one map lookup per configured slot) when the instance's
+  ring had an event since the last read, at most every ``ROWS_S``: every change of an EV
+  state, the datapath's and those made through ``mrc_evop`` (the daemon's, an operator's
+  deny), writes one.  Without events they are re-read every ``ROWS_IDLE_S``, which
+  catches what no event announces (connections added at run time, an instance loaded
+  without ``mrc_evop``, events lost to a full ring).  Re-reading every ``ROWS_S``
+  regardless was most of the daemon's CPU (1,300 lookups a second for one connection).
 - **Events.** The daemon is the single consumer of every instance's ``mrc_events``
   ring; events (and the daemon's own changes, ``"source": "daemon"``) go to a bounded
   history and to any number of subscribers on a unix socket (default
@@ -92,7 +99,8 @@ DEFAULT_CONFIG = "/etc/mrc-xdp/daemon.toml"
 LINK_DOWN, LINK_UP = EvReason.LINK_DOWN, EvReason.LINK_UP       # plane link events
 PROBE_FAIL = EvReason.PROBE_FAIL                                    # background probes lost
 TICK = 0.02                 # main loop: ring polls, due probes
-ROWS_S = 0.05               # EV states re-read at most this often per instance
+ROWS_S = 0.05               # EV states re-read at most this often per instance (after an event) ...
+ROWS_IDLE_S = 1.0           # ... and at least this often (module docstring)
 RESCAN_S = 1.0              # new/removed instances, link resync
 BUSY_S = 0.2                # an instance whose spray sent data this recently is busy ...
 BUSY_PROBE_S = 0.2          # ... and gets at most one probe per this long (module docstring)
@@ -610,6 +618,8 @@ class InstanceHealth:
         self.link_up: dict[int, bool] = {}
         self.admin_out: set[int] = set()        # planes drained by the operator (MRC_PF_ADMIN)
         self._rows, self._rows_at = [], 0.0     # ev_states(), re-read at most every ROWS_S
+        self._admin_at = 0.0
+        self._events = True                     # ring events since the last ev_states()
         self.ipr = None
         self.bad: dict[tuple[int, int], _Probe] = {}
         self.bg_fail: dict[tuple[int, int], int] = {}
@@ -628,6 +638,7 @@ class InstanceHealth:
 
     # -- events
     def _on_event(self, raw: bytes) -> None:
+        self._events = True
         self.hub.publish(event_dict(self.name, raw))
 
     def _daemon_event(self, row: dict, old: str, new: str, reason) -> None:
@@ -762,6 +773,7 @@ class InstanceHealth:
             return False
         maps.set_ev_state(self.inst.map("mrc_evs"), self.inst.map("mrc_evidx"), r["conn"], r["ev"],
                           state, reason)
+        self._events = True         # re-read the states next tick (an instance without mrc_evop writes no event)
         self._daemon_event(cur, was, state.name, reason)
         return True
 
@@ -784,9 +796,12 @@ class InstanceHealth:
             return
         now = time.monotonic()
         self.busy = self._busy(now)     # every tick: the first probes must not race a start
-        if now - self._rows_at >= ROWS_S:
+        if now - self._rows_at >= (ROWS_S if self._events else ROWS_IDLE_S):
+            self._events = False
             self.inst.reload_state()
             self._rows, self._rows_at = ev_states(self.inst), now
+        if now - self._admin_at >= ROWS_S:
+            self._admin_at = now
             self._read_admin()
         rows = self._rows
         seen = set()
