@@ -126,9 +126,15 @@ def cli(*args, env=None, timeout=60, check=True):
 
 
 class Daemon:
-    """`mrc-xdp daemon` following only one lab's instances, on a private socket."""
+    """`mrc-xdp daemon` following only one lab's instances, on a private socket.
 
-    def __init__(self, lab, **probe):
+    malloc_debug: run it under Python's debug allocator (PYTHONMALLOC=debug), which
+    aborts the process, with a message in its log, when native code (libbpf, cffi, the
+    kernel's writes into our buffers) wrote past a block or into a freed one: the tests
+    then fail on the daemon's death instead of a crash some time later.  Off where the
+    daemon's speed is measured (test_health_fault_cost)."""
+
+    def __init__(self, lab, malloc_debug=True, **probe):
         self.dir = tempfile.mkdtemp(prefix="mrcd-")
         self.sock = os.path.join(self.dir, "events.sock")
         self.cfg = os.path.join(self.dir, "daemon.toml")
@@ -136,6 +142,7 @@ class Daemon:
         lines += ["%s = %s" % kv for kv in probe.items()]
         self.cfg_text = "\n".join(lines) + "\n"
         self.env = {"MRC_XDP_DAEMON_SOCKET": self.sock}
+        self.malloc_debug = malloc_debug
         self.lab = lab
         self.p = None
         self.log = os.path.join(self.dir, "daemon.log")
@@ -148,7 +155,8 @@ class Daemon:
             f.write(self.cfg_text)
         self.final_text = None
         self.logf = open(self.log, "a")
-        self.p = subprocess.Popen([CLI, "daemon", "--config", self.cfg], stdout=self.logf, stderr=self.logf)
+        env = dict(os.environ, PYTHONMALLOC="debug") if self.malloc_debug else None
+        self.p = subprocess.Popen([CLI, "daemon", "--config", self.cfg], stdout=self.logf, stderr=self.logf, env=env)
         if wait:
             deadline = time.monotonic() + 20
             from mrc_xdp.health import daemon as health

@@ -93,7 +93,7 @@ def lab():
 @pytest.mark.parametrize("fault", ["t1", "link"])
 def test_daemon_does_not_make_a_fault_dearer(lab, fault):
     base = [_run(lab, fault) for _ in range(BASE_RUNS)]
-    d = H.Daemon(lab).start()       # default probing: resurrection and background probes
+    d = H.Daemon(lab, malloc_debug=False).start()       # default probing: resurrection and background probes
     try:
         time.sleep(1.0)             # a few background rounds before the transfer
         runs = [_run(lab, fault) for _ in range(DAEMON_RUNS)]
