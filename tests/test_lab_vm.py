@@ -809,10 +809,22 @@ def _guest_leftovers(ex, inst) -> list:
     return ex.run(["sh", "-c", sh]).stdout.split("\n")[:-1]
 
 
+def test_fleet_deploy_and_drain_on_the_vms(vmlab, request):
+    """CI's part of the VM fleet run (issue 18: "the same deploy and drain against the CI VM
+    lab over SSH"): deploy.yml on both guests over SSH, `status --json`, the services and
+    the metrics endpoint checked as below, plane-drain.yml, a transfer that sends nothing
+    on plane 1, then unload.yml leaving nothing.  The idempotence re-run and the return
+    are left to the whole run (test_fleet_role_on_the_vms_over_ssh, by hand): in TCG
+    guests they double the time."""
+    if not os.access(PLAYBOOK, os.X_OK):
+        pytest.fail("%s is missing: run scripts/setup.sh (it installs ansible-core)" % PLAYBOOK)
+    fleet_scenario(*vmlab, later=_later_vm_tests(request), full=False)
+
+
 @pytest.mark.skipif(os.environ.get("MRC_VM_FLEET") != "1",
-                    reason="by hand (MRC_VM_FLEET=1): its deploy is 111 s now that the role's load "
-                           "replays the lab's cached build, but the last run (2026-12-07) found h1's health "
-                           "daemon segfaulted in the guest (not yet fixed; docs/fleet.md)")
+                    reason="by hand (MRC_VM_FLEET=1): 8-12 min in TCG guests (deploy, redeploy, drain, "
+                           "return, unload); CI runs its deploy and drain part "
+                           "(test_fleet_deploy_and_drain_on_the_vms)")
 def test_fleet_role_on_the_vms_over_ssh(vmlab, request):
     """The fleet's Ansible role and playbooks (deploy/ansible) against the VM lab's hosts
     over SSH, as against real machines (docs/fleet.md): `mrc-xdp lab inventory` of the
@@ -849,7 +861,7 @@ def _guest_evidence(execs, hosts, d) -> None:
     say("fleet on VMs: failed; the guests' logs, processes and dmesg in %s/guest-*.txt" % d)
 
 
-def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
+def fleet_scenario(prefix, topo, st, later=(), deployed_before=False, full=True):
     """test_fleet_role_on_the_vms_over_ssh on VM lab `prefix` (also run by hand on a lab
     brought up with `lab up --vm --no-hosts` and deployed: deployed_before=True, then the
     first deploy here must change nothing).  later: tests that need the lab's own
@@ -901,9 +913,10 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
                                             timeout=30) as r:
                     body = r.read().decode()
         t["checks"] = time.monotonic() - t0
-        again = _play(d, inv_path, "deploy.yml")
-        t["redeploy"] = again["s"]
-        assert all(again["recap"][insts[h]][1:] == (0, 0, 0) for h in hosts), again["recap"]
+        if full:
+            again = _play(d, inv_path, "deploy.yml")
+            t["redeploy"] = again["s"]
+            assert all(again["recap"][insts[h]][1:] == (0, 0, 0) for h in hosts), again["recap"]
 
         drain = _play(d, inv_path, "plane-drain.yml", "-e", "mrc_xdp_plane=1")
         t["drain"] = drain["s"]
@@ -924,13 +937,14 @@ def fleet_scenario(prefix, topo, st, later=(), deployed_before=False):
         assert drained["h0"][0] >= (XFER_MIB << 20) // 1500 and drained["h1"][0] > 0, drained
         assert drained["h0"][1] == 0 and drained["h1"][1] == 0, drained
 
-        ret = _play(d, inv_path, "plane-return.yml", "-e", "mrc_xdp_plane=1")
-        t["return"] = ret["s"]
-        assert all(ret["recap"][insts[h]][1] == 1 for h in hosts), ret["recap"]
-        t0 = time.monotonic()
-        sent, planes = _engine_transfer(lab, "fleet-returned")
-        t["transfer2"] = time.monotonic() - t0
-        assert min(planes.values()) >= 0.25 * sent["qp_stats"]["tx_pkts"], planes
+        if full:
+            ret = _play(d, inv_path, "plane-return.yml", "-e", "mrc_xdp_plane=1")
+            t["return"] = ret["s"]
+            assert all(ret["recap"][insts[h]][1] == 1 for h in hosts), ret["recap"]
+            t0 = time.monotonic()
+            sent, planes = _engine_transfer(lab, "fleet-returned")
+            t["transfer2"] = time.monotonic() - t0
+            assert min(planes.values()) >= 0.25 * sent["qp_stats"]["tx_pkts"], planes
 
         unload = _play(d, inv_path, "unload.yml")
         t["unload"] = unload["s"]
