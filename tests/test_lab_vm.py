@@ -822,7 +822,7 @@ def test_fleet_deploy_and_drain_on_the_vms(vmlab, request):
 
 
 @pytest.mark.skipif(os.environ.get("MRC_VM_FLEET") != "1",
-                    reason="by hand (MRC_VM_FLEET=1): 8-12 min in TCG guests (deploy, redeploy, drain, "
+                    reason="by hand (MRC_VM_FLEET=1): 8-15 min in TCG guests (deploy, redeploy, drain, "
                            "return, unload); CI runs its deploy and drain part "
                            "(test_fleet_deploy_and_drain_on_the_vms)")
 def test_fleet_role_on_the_vms_over_ssh(vmlab, request):

@@ -171,9 +171,8 @@ def local_addr(instance: str) -> str:
     except maps.NotLoaded as e:
         raise TransportError(str(e)) from None
     try:
-        from mrc_xdp.datapath.shared import ffi as sffi
-        cfg = inst.map("mrc_cfg").lookup(0)      # held: the cast below does not keep it alive
-        c = sffi.cast("struct mrc_config *", sffi.from_buffer(cfg))
+        from mrc_xdp.datapath.shared import from_bytes
+        c = from_bytes("struct mrc_config", inst.map("mrc_cfg").lookup(0))
         return str(ipaddress.IPv6Address(bytes(c.local_addr)))
     finally:
         inst.close()
@@ -567,9 +566,8 @@ class Endpoint:
         self.instance = instance
         try:
             self.netns = netns if netns is not None else inst.state.get("netns")
-            cfg = inst.map("mrc_cfg").lookup(0)
-            from mrc_xdp.datapath.shared import ffi as sffi
-            c = sffi.cast("struct mrc_config *", sffi.from_buffer(cfg))
+            from mrc_xdp.datapath.shared import from_bytes
+            c = from_bytes("struct mrc_config", inst.map("mrc_cfg").lookup(0))
             self.local_addr = str(ipaddress.IPv6Address(bytes(c.local_addr)))
             app_mac, fab_mac, udp_port = bytes(c.app_mac), bytes(c.fab_mac), int(c.udp_port)
             dscp_data, dscp_ctrl = int(c.dscp_data), int(c.dscp_ctrl)
